@@ -1,0 +1,41 @@
+"""Pallas GPU kernels for hybrid Mamba2/attention models, behind a functional API.
+
+Shape letters used throughout: T packed tokens, B sequences, S cache slots, H heads,
+G groups, P head dim, N state size, K conv width, L cache length, D attention head dim.
+Every op takes ``implementation="auto" | "xla" | "triton" | "mosaic"``.
+"""
+
+from pallas_kernels.attention import kv_lens_from_mask, masked_tail_attention, write_kv
+from pallas_kernels.backend import Implementation
+from pallas_kernels.conv1d import causal_conv1d, causal_conv1d_update
+from pallas_kernels.metadata import (
+    ChunkMetadata,
+    bucket_for,
+    chunk_metadata,
+    max_chunks_for,
+    pad_to_bucket,
+    sequence_buckets,
+    token_buckets,
+)
+from pallas_kernels.norm import gated_rms_norm
+from pallas_kernels.ssd import ssd_scan
+from pallas_kernels.state_update import selective_state_update
+
+__all__ = [
+    "ChunkMetadata",
+    "Implementation",
+    "bucket_for",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "chunk_metadata",
+    "gated_rms_norm",
+    "kv_lens_from_mask",
+    "masked_tail_attention",
+    "max_chunks_for",
+    "pad_to_bucket",
+    "selective_state_update",
+    "sequence_buckets",
+    "ssd_scan",
+    "token_buckets",
+    "write_kv",
+]

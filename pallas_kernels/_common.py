@@ -1,0 +1,43 @@
+"""Small numerics shared by the references and kernels of several ops (written once)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def process_dt(
+    dt: jax.Array,
+    dt_bias: jax.Array | None,
+    *,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+) -> jax.Array:
+    """``dt' = clamp(softplus(dt + dt_bias) if dt_softplus else dt + dt_bias, *dt_limit)``.
+
+    ``dt[..., H]`` in fp32; ``dt_bias[H]`` broadcasts over the leading axes.
+    """
+    if dt_bias is not None:
+        dt = dt + dt_bias.astype(jnp.float32)
+    if dt_softplus:
+        # softplus(v) = log(1 + e^v), stable for large |v|.
+        dt = jnp.logaddexp(dt, 0.0)
+    return jnp.clip(dt, dt_limit[0], dt_limit[1])
+
+
+def silu(v: jax.Array) -> jax.Array:
+    """``v * sigmoid(v)``."""
+    return v * jax.nn.sigmoid(v)
+
+
+def slot_scatter_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:
+    """Slot ids with padding (``-1``) mapped past the cache, so ``mode="drop"`` writes skip it.
+
+    NOTE: negative indices wrap around in ``x.at[i]``; ``-1`` must never reach a scatter.
+    """
+    return jnp.where(slot_ids >= 0, slot_ids, num_slots)
+
+
+def slot_gather_index(slot_ids: jax.Array) -> jax.Array:
+    """Slot ids with padding mapped to slot 0 for gathers whose result the caller masks."""
+    return jnp.maximum(slot_ids, 0)

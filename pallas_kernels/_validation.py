@@ -1,0 +1,79 @@
+"""Argument checks shared by every op's ``api.py``.
+
+Static checks (shapes, dtypes, static arguments) run at trace time and raise ``ValueError``
+naming the argument and the expected shape. Data checks (``validate=True``) need concrete
+arrays and run on the host; jitted kernels stay in bounds whatever the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_shape(name: str, array: jax.Array, expected: Sequence[int | None], letters: str) -> None:
+    """Raises unless ``array.shape`` matches ``expected`` (``None`` matches any size).
+
+    ``letters`` spells the expected shape, e.g. ``"[T, H, P]"``.
+    """
+    shape = tuple(array.shape)
+    if len(shape) != len(expected) or any(
+        e is not None and e != s for e, s in zip(expected, shape, strict=False)
+    ):
+        want = tuple("?" if e is None else e for e in expected)
+        raise ValueError(f"{name} must have shape {letters} = {want}, got {shape}")
+
+
+def check_floating(name: str, array: jax.Array) -> None:
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating-point array, got dtype {array.dtype}")
+
+
+def check_integer(name: str, array: jax.Array) -> None:
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {array.dtype}")
+
+
+def check_activation(activation: str | None) -> None:
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation={activation!r} must be None or 'silu'")
+
+
+def host_values(name: str, array: jax.Array) -> np.ndarray:
+    """The values of ``array`` on the host, for ``validate=True`` data checks."""
+    if isinstance(array, jax.core.Tracer):
+        raise ValueError(
+            f"validate=True needs concrete arrays, but {name} is traced; "
+            "call with validate=True outside jax.jit (or check in the batch builder)"
+        )
+    return np.asarray(jax.device_get(array))
+
+
+def validate_query_start_loc(query_start_loc: jax.Array, num_tokens: int) -> np.ndarray:
+    """Data check: starts at 0, non-decreasing, ends within the ``num_tokens`` packed rows."""
+    qsl = host_values("query_start_loc", query_start_loc)
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {qsl[0]}")
+    if np.any(np.diff(qsl) < 0):
+        raise ValueError(f"query_start_loc must be non-decreasing, got {qsl.tolist()}")
+    if qsl[-1] > num_tokens:
+        raise ValueError(f"query_start_loc[-1]={qsl[-1]} exceeds the {num_tokens} packed tokens")
+    return qsl
+
+
+def validate_slot_ids(slot_ids: jax.Array, num_slots: int) -> np.ndarray:
+    """Data check: each slot id is -1 (padding) or in ``[0, num_slots)``, named at most once."""
+    slots = host_values("slot_ids", slot_ids)
+    bad = (slots < -1) | (slots >= num_slots)
+    if np.any(bad):
+        raise ValueError(
+            f"slot_ids must be -1 or in [0, {num_slots}), got {slots[bad].tolist()} "
+            f"at rows {np.flatnonzero(bad).tolist()}"
+        )
+    named = slots[slots >= 0]
+    if len(np.unique(named)) != len(named):
+        raise ValueError(f"slot_ids must name each cache slot at most once, got {slots.tolist()}")
+    return slots

@@ -1,0 +1,169 @@
+"""``causal_conv1d`` and ``causal_conv1d_update``: validation and dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _validation as checks
+from pallas_kernels.backend import Implementation, dispatch
+from pallas_kernels.conv1d import reference
+
+Activation = Literal["silu"] | None
+
+_PREFILL: dict[str, Callable] = {"xla": reference.causal_conv1d}
+_UPDATE: dict[str, Callable] = {"xla": reference.causal_conv1d_update}
+
+
+def _check_weights(weight: jax.Array, bias: jax.Array | None, dim: int) -> int:
+    checks.check_floating("weight", weight)
+    if weight.ndim != 2 or weight.shape[0] != dim or weight.shape[1] < 2:
+        raise ValueError(f"weight must have shape [dim, K] = ({dim}, K>=2), got {weight.shape}")
+    if bias is not None:
+        checks.check_shape("bias", bias, (dim,), "[dim]")
+    return weight.shape[1]
+
+
+def causal_conv1d(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    query_start_loc: jax.Array,
+    conv_state_cache: jax.Array,
+    slot_ids: jax.Array,
+    has_initial_state: jax.Array,
+    activation: Activation = "silu",
+    validate: bool = False,
+    implementation: Implementation = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv1d over a packed variable-length batch, with per-slot state.
+
+    Example (K = 4): ``query_start_loc = [0, 5, 6, 6]`` holds a 5-token prefill, a 1-token
+    decode row (``has_initial_state = True``: its 3 previous inputs come from its slot) and
+    a padding sequence (length 0, ``slot_ids = -1``), in one call.
+
+    Args:
+      x: x[T, dim] packed tokens (rows past ``query_start_loc[-1]`` give 0).
+      weight: weight[dim, K]; ``weight[:, K-1]`` multiplies the current token.
+      bias: bias[dim].
+      query_start_loc: int32[B + 1].
+      conv_state_cache: conv_state_cache[S, K-1, dim], the last K-1 inputs of each slot,
+        oldest first. Each sequence with new tokens writes its new state to its slot.
+      slot_ids: int32[B], ``-1`` for padding sequences (zero output, nothing written).
+      has_initial_state: bool[B]; False starts from zeros (a fresh prompt).
+      activation: None or "silu".
+      validate: check ``query_start_loc`` and ``slot_ids`` on the host.
+      implementation: "auto" | "xla" | "triton" | "mosaic".
+
+    Returns:
+      ``(y[T, dim], new_conv_state_cache[S, K-1, dim])``, ``y`` in ``x``'s dtype.
+    """
+    x, weight, query_start_loc, conv_state_cache, slot_ids, has_initial_state = (
+        jnp.asarray(a)
+        for a in (x, weight, query_start_loc, conv_state_cache, slot_ids, has_initial_state)
+    )
+    bias = None if bias is None else jnp.asarray(bias)
+    checks.check_floating("x", x)
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape [T, dim], got {x.shape}")
+    T, dim = x.shape
+    K = _check_weights(weight, bias, dim)
+    if conv_state_cache.ndim != 3:
+        raise ValueError(
+            f"conv_state_cache must have shape [S, K-1, dim], got {conv_state_cache.shape}"
+        )
+    S = conv_state_cache.shape[0]
+    checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
+    checks.check_integer("query_start_loc", query_start_loc)
+    checks.check_integer("slot_ids", slot_ids)
+    if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
+        raise ValueError(
+            f"query_start_loc must have shape [B + 1] with B >= 1, got {query_start_loc.shape}"
+        )
+    num_seqs = query_start_loc.shape[0] - 1
+    checks.check_shape("slot_ids", slot_ids, (num_seqs,), "[B]")
+    checks.check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
+    checks.check_activation(activation)
+    if validate:
+        checks.validate_query_start_loc(query_start_loc, T)
+        checks.validate_slot_ids(slot_ids, S)
+    return dispatch(
+        _PREFILL,
+        implementation,
+        x,
+        weight,
+        bias,
+        op="causal_conv1d",
+        query_start_loc=query_start_loc.astype(jnp.int32),
+        conv_state_cache=conv_state_cache,
+        slot_ids=slot_ids.astype(jnp.int32),
+        has_initial_state=has_initial_state.astype(bool),
+        activation=activation,
+    )
+
+
+def causal_conv1d_update(
+    x: jax.Array,
+    conv_state_cache: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    slot_ids: jax.Array,
+    activation: Activation = "silu",
+    validate: bool = False,
+    implementation: Implementation = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Decode conv step: each row advances its slot's conv state by ``L`` tokens.
+
+    Args:
+      x: x[Bd, dim] (one token per row) or x[Bd, L, dim] (``L`` tokens per row, e.g.
+        speculative verification), processed in order.
+      conv_state_cache: conv_state_cache[S, K-1, dim]; shifted by ``L`` columns per named
+        slot, functionally (in place under buffer donation).
+      weight: weight[dim, K].
+      bias: bias[dim].
+      slot_ids: int32[Bd], ``-1`` for padding rows (zero output, nothing written).
+      activation: None or "silu".
+      validate: check ``slot_ids`` on the host.
+      implementation: "auto" | "xla" | "triton" | "mosaic".
+
+    Returns:
+      ``(y, new_conv_state_cache)``, ``y`` with ``x``'s shape and dtype.
+    """
+    x, conv_state_cache, weight, slot_ids = (
+        jnp.asarray(a) for a in (x, conv_state_cache, weight, slot_ids)
+    )
+    bias = None if bias is None else jnp.asarray(bias)
+    checks.check_floating("x", x)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x must have shape [Bd, dim] or [Bd, L, dim], got {x.shape}")
+    Bd, dim = x.shape[0], x.shape[-1]
+    K = _check_weights(weight, bias, dim)
+    if conv_state_cache.ndim != 3:
+        raise ValueError(
+            f"conv_state_cache must have shape [S, K-1, dim], got {conv_state_cache.shape}"
+        )
+    S = conv_state_cache.shape[0]
+    checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
+    checks.check_integer("slot_ids", slot_ids)
+    checks.check_shape("slot_ids", slot_ids, (Bd,), "[Bd]")
+    checks.check_activation(activation)
+    if validate:
+        checks.validate_slot_ids(slot_ids, S)
+    steps = x if x.ndim == 3 else x[:, None, :]
+    y, cache = dispatch(
+        _UPDATE,
+        implementation,
+        steps,
+        conv_state_cache,
+        weight,
+        bias,
+        op="causal_conv1d_update",
+        slot_ids=slot_ids.astype(jnp.int32),
+        activation=activation,
+    )
+    return (y if x.ndim == 3 else y[:, 0, :]), cache

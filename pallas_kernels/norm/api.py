@@ -1,0 +1,68 @@
+"""``gated_rms_norm``: validation and dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _validation as checks
+from pallas_kernels.backend import Implementation, dispatch
+from pallas_kernels.norm import reference
+
+_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.gated_rms_norm}
+
+
+def gated_rms_norm(
+    x: jax.Array,
+    z: jax.Array | None,
+    weight: jax.Array,
+    *,
+    group_size: int,
+    eps: float = 1e-5,
+    norm_before_gate: bool = False,
+    implementation: Implementation = "auto",
+) -> jax.Array:
+    """Grouped RMSNorm with a SiLU gate, statistics in fp32.
+
+    ``norm_before_gate=False`` (Mamba2): ``y = rmsnorm_g(x · silu(z)) · weight``;
+    ``True``: ``y = rmsnorm_g(x) · weight · silu(z)``. ``rmsnorm_g`` normalises each group
+    of ``group_size`` consecutive channels (``d_inner / n_groups`` in Mamba2).
+
+    Args:
+      x: x[T, Dm].
+      z: z[T, Dm] gate, or None for a plain grouped RMSNorm.
+      weight: weight[Dm].
+      group_size: channels per group; must divide Dm.
+      eps: added to the mean square.
+      norm_before_gate: see above.
+      implementation: "auto" | "xla" | "triton" | "mosaic".
+
+    Returns:
+      y[T, Dm] in ``x``'s dtype.
+    """
+    x, weight = jnp.asarray(x), jnp.asarray(weight)
+    z = None if z is None else jnp.asarray(z)
+    checks.check_floating("x", x)
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape [T, Dm], got {x.shape}")
+    T, Dm = x.shape
+    if z is not None:
+        checks.check_shape("z", z, (T, Dm), "[T, Dm]")
+    checks.check_shape("weight", weight, (Dm,), "[Dm]")
+    if group_size < 1 or Dm % group_size:
+        raise ValueError(f"{group_size=} must be >= 1 and divide Dm={Dm}")
+    if not eps >= 0:
+        raise ValueError(f"{eps=} must be >= 0")
+    return dispatch(
+        _IMPLEMENTATIONS,
+        implementation,
+        x,
+        z,
+        weight,
+        op="gated_rms_norm",
+        group_size=int(group_size),
+        eps=float(eps),
+        norm_before_gate=bool(norm_before_gate),
+    )

@@ -1,0 +1,130 @@
+"""Pure ``jax.numpy`` chunk-aligned SSD scan: the ``xla`` implementation.
+
+The state space duality (SSD) form of Mamba2 (Dao & Gu, arXiv 2405.21060, section 6 and
+Listing 1), over the chunk-aligned varlen layout of ``pallas_kernels.metadata``:
+
+1. dt processing and the within-chunk cumulative decay ``dA_cumsum``;
+2. the diagonal block: ``y_diag = (C Bᵀ ∘ L) (dt x)``, with ``L[i, j] = exp(cum_i − cum_j)``
+   for ``i ≥ j``;
+3. each chunk's own state from a zero start: ``Σ_j exp(cum_last − cum_j) dt_j x_j ⊗ B_j``;
+4. state passing along each sequence's chunks, starting from ``initial_states``;
+5. the off-diagonal part ``y_off = exp(cum_i) C_i · state_before_chunk``, the D skip and the
+   z gate.
+
+Chunks are gathered from the packed tokens with masks (a short chunk is padded here, in
+registers of the reference only, never in the caller's memory) and scattered back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import process_dt, silu
+from pallas_kernels.metadata import ChunkMetadata
+
+
+def ssd_scan(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    *,
+    metadata: ChunkMetadata,
+    chunk_size: int,
+    D: jax.Array | None,
+    z: jax.Array | None,
+    dt_bias: jax.Array | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    initial_states: jax.Array | None,
+    return_intermediate_states: bool,
+    state_dtype: jnp.dtype,
+) -> tuple[jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.ssd_scan`; arguments are already validated."""
+    f32 = jnp.float32
+    num_tokens, num_heads, head_dim = x.shape
+    num_groups, state_dim = B.shape[1:]
+    heads_per_group = num_heads // num_groups
+    num_seqs = metadata.last_chunk_indices.shape[0]
+    cs = chunk_size
+
+    # 0) Gather chunks: rows past a chunk's end are masked (dt' = 0 there).
+    starts = metadata.cu_chunk_seqlens[:-1]
+    ends = metadata.cu_chunk_seqlens[1:]
+    pos = starts[:, None] + jnp.arange(cs)[None, :]  # [nc, cs]
+    valid = pos < ends[:, None]
+    rows = jnp.where(valid, pos, 0)
+    nc = rows.shape[0]
+
+    def grouped(a):  # [nc, cs, H, ...] -> [nc, cs, G, R, ...]
+        return a.reshape(nc, cs, num_groups, heads_per_group, *a.shape[3:])
+
+    xc = grouped(x[rows].astype(f32))  # [nc, cs, G, R, P]
+    Bc = B[rows].astype(f32)  # [nc, cs, G, N]
+    Cc = C[rows].astype(f32)  # [nc, cs, G, N]
+
+    # 1) dt' and the within-chunk cumulative decay.
+    dtc = process_dt(dt[rows].astype(f32), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    dtc = jnp.where(valid[..., None], dtc, 0.0)  # [nc, cs, H]
+    cum = jnp.cumsum(dtc * A.astype(f32), axis=1)  # [nc, cs, H]
+    cum_last = cum[:, -1, :]  # [nc, H]: dt' = 0 past the end, so this is the chunk's total
+
+    # 2) Diagonal block. Exponents are clamped to <= 0 (no overflow off the causal band).
+    cum_h = cum.transpose(0, 2, 1)  # [nc, H, cs]
+    segsum = jnp.minimum(cum_h[:, :, :, None] - cum_h[:, :, None, :], 0.0)  # [nc, H, l, s]
+    causal = jnp.tril(jnp.ones((cs, cs), dtype=bool))
+    decay = jnp.where(causal, jnp.exp(segsum), 0.0)
+    decay = decay.reshape(nc, num_groups, heads_per_group, cs, cs)
+    cb = jnp.einsum("clgn,csgn->cgls", Cc, Bc)
+    dt_g = grouped(dtc)  # [nc, cs, G, R]
+    y = jnp.einsum("cgls,cgrls,csgr,csgrp->clgrp", cb, decay, dt_g, xc)
+
+    # 3) Each chunk's state from a zero start.
+    decay_to_end = grouped(jnp.exp(jnp.minimum(cum_last[:, None, :] - cum, 0.0)))
+    chunk_states = jnp.einsum("csgn,csgr,csgr,csgrp->cgrpn", Bc, decay_to_end, dt_g, xc)
+    chunk_states = chunk_states.reshape(nc, num_heads, head_dim, state_dim)
+
+    # 4) State passing along each sequence's chunks (never across sequences).
+    seq = metadata.seq_idx
+    is_first = jnp.concatenate([jnp.ones((1,), bool), seq[1:] != seq[:-1]])
+    if initial_states is None:
+        initial_states = jnp.zeros((num_seqs, num_heads, head_dim, state_dim), f32)
+    initial_states = initial_states.astype(f32)
+    chunk_decay = jnp.exp(jnp.minimum(cum_last, 0.0))  # [nc, H]
+
+    def pass_state(carry, inputs):
+        first, seq_c, decay_c, own_c = inputs
+        before = jnp.where(first, initial_states[jnp.maximum(seq_c, 0)], carry)
+        after = decay_c[:, None, None] * before + own_c
+        return after, (before, after)
+
+    _, (states_before, states_after) = jax.lax.scan(
+        pass_state,
+        jnp.zeros((num_heads, head_dim, state_dim), f32),
+        (is_first, seq, chunk_decay, chunk_states),
+    )
+
+    # 5) Off-diagonal part, D skip, z gate.
+    before_g = states_before.reshape(nc, num_groups, heads_per_group, head_dim, state_dim)
+    carry_decay = grouped(jnp.exp(jnp.minimum(cum, 0.0)))  # [nc, cs, G, R]
+    y = y + jnp.einsum("clgn,cgrpn,clgr->clgrp", Cc, before_g, carry_decay)
+    y = y.reshape(nc, cs, num_heads, head_dim)
+    if D is not None:
+        y = y + D.astype(f32).reshape(num_heads, -1) * x[rows].astype(f32)
+    if z is not None:
+        y = y * silu(z[rows].astype(f32))
+    scatter_rows = jnp.where(valid, pos, num_tokens)  # masked rows fall off the end
+    y_tokens = jnp.zeros((num_tokens, num_heads, head_dim), x.dtype)
+    y_tokens = y_tokens.at[scatter_rows].set(y.astype(x.dtype), mode="drop")
+
+    live = seq >= 0
+    if return_intermediate_states:
+        states = jnp.where(live[:, None, None, None], states_after, 0.0)
+    else:
+        last = metadata.last_chunk_indices
+        states = jnp.where(
+            (last >= 0)[:, None, None, None], states_after[jnp.maximum(last, 0)], initial_states
+        )
+    return y_tokens, states.astype(state_dtype)
