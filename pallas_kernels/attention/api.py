@@ -23,8 +23,8 @@ from pallas_kernels import _validation as checks
 from pallas_kernels.attention import kv_cache, reference
 from pallas_kernels.backend import Implementation, dispatch
 
-_ATTENTION: dict[str, Callable] = {"xla": reference.masked_tail_attention}
-_WRITE_KV: dict[str, Callable] = {"xla": kv_cache.write_kv}
+ATTENTION_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.masked_tail_attention}
+WRITE_KV_IMPLEMENTATIONS: dict[str, Callable] = {"xla": kv_cache.write_kv}
 
 
 def _check_cache(k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int, int]:
@@ -127,7 +127,7 @@ def masked_tail_attention(
     if validate:
         _validate_batch(query_start_loc, kv_lens, slot_ids, num_tokens=T, num_slots=S, cache_len=L)
     return dispatch(
-        _ATTENTION,
+        ATTENTION_IMPLEMENTATIONS,
         implementation,
         q,
         k_cache,
@@ -185,7 +185,7 @@ def write_kv(
     if validate:
         _validate_batch(query_start_loc, kv_lens, slot_ids, num_tokens=T, num_slots=S, cache_len=L)
     return dispatch(
-        _WRITE_KV,
+        WRITE_KV_IMPLEMENTATIONS,
         implementation,
         k_cache,
         v_cache,

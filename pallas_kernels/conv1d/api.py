@@ -14,8 +14,8 @@ from pallas_kernels.conv1d import reference
 
 Activation = Literal["silu"] | None
 
-_PREFILL: dict[str, Callable] = {"xla": reference.causal_conv1d}
-_UPDATE: dict[str, Callable] = {"xla": reference.causal_conv1d_update}
+PREFILL_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.causal_conv1d}
+UPDATE_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.causal_conv1d_update}
 
 
 def _check_weights(weight: jax.Array, bias: jax.Array | None, dim: int) -> int:
@@ -92,7 +92,7 @@ def causal_conv1d(
         checks.validate_query_start_loc(query_start_loc, T)
         checks.validate_slot_ids(slot_ids, S)
     return dispatch(
-        _PREFILL,
+        PREFILL_IMPLEMENTATIONS,
         implementation,
         x,
         weight,
@@ -156,7 +156,7 @@ def causal_conv1d_update(
         checks.validate_slot_ids(slot_ids, S)
     steps = x if x.ndim == 3 else x[:, None, :]
     y, cache = dispatch(
-        _UPDATE,
+        UPDATE_IMPLEMENTATIONS,
         implementation,
         steps,
         conv_state_cache,

@@ -11,7 +11,7 @@ from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Implementation, dispatch
 from pallas_kernels.norm import reference
 
-_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.gated_rms_norm}
+IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.gated_rms_norm}
 
 
 def gated_rms_norm(
@@ -56,7 +56,7 @@ def gated_rms_norm(
     if not eps >= 0:
         raise ValueError(f"{eps=} must be >= 0")
     return dispatch(
-        _IMPLEMENTATIONS,
+        IMPLEMENTATIONS,
         implementation,
         x,
         z,

@@ -15,7 +15,7 @@ from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import reference
 
 # Backend name -> implementation; Pallas backends take ``interpret=`` as well.
-_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.ssd_scan}
+IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.ssd_scan}
 
 
 def ssd_scan(
@@ -118,7 +118,7 @@ def ssd_scan(
         _validate_metadata(metadata, num_tokens=T, chunk_size=chunk_size)
 
     return dispatch(
-        _IMPLEMENTATIONS,
+        IMPLEMENTATIONS,
         implementation,
         x,
         dt,

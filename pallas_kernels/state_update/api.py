@@ -12,7 +12,7 @@ from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Implementation, dispatch
 from pallas_kernels.state_update import reference
 
-_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.selective_state_update}
+IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.selective_state_update}
 
 
 def selective_state_update(
@@ -105,7 +105,7 @@ def selective_state_update(
         checks.validate_slot_ids(slot_ids, S)
 
     return dispatch(
-        _IMPLEMENTATIONS,
+        IMPLEMENTATIONS,
         implementation,
         state_cache,
         x,

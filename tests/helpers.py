@@ -1,0 +1,40 @@
+"""Helpers shared by the tests: implementation lists, random ragged batches, poisoning."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.backend import supports_mosaic
+
+
+def implementations(registry: Mapping[str, object]) -> list[str]:
+    """Backends of an op's registry this machine can run: Pallas Triton kernels run in
+    interpret mode off-GPU; Mosaic GPU kernels need a Hopper GPU. A new backend added to a
+    registry is tested automatically."""
+    return sorted(name for name in registry if name != "mosaic" or supports_mosaic())
+
+
+def query_start_loc(lengths: Sequence[int]) -> np.ndarray:
+    """int32[B + 1] from per-sequence lengths."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def normal(rng: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.0) -> jnp.ndarray:
+    """Random normal data (never zeros) cast to ``dtype``."""
+    return jnp.asarray(rng.normal(size=shape) * scale, dtype=jnp.float32).astype(dtype)
+
+
+def poison_tail(cache: np.ndarray, slot_ids, lengths) -> np.ndarray:
+    """A copy of ``cache[S, L, ...]`` with positions at or past ``lengths[b]`` of each named
+    slot (and every unnamed slot) set to NaN: whatever reads them shows up."""
+    cache = np.array(cache, dtype=np.float32, copy=True)
+    named = np.zeros(cache.shape[0], bool)
+    for slot, length in zip(slot_ids, lengths, strict=True):
+        if slot >= 0:
+            cache[slot, length:] = np.nan
+            named[slot] = True
+    cache[~named] = np.nan
+    return cache

@@ -1,0 +1,131 @@
+"""Chunk-aligned metadata: the DESIGN §4 example, layout properties, buckets."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels.metadata import (
+    bucket_for,
+    chunk_metadata,
+    max_chunks_for,
+    pad_to_bucket,
+    sequence_buckets,
+    token_buckets,
+)
+from tests.helpers import query_start_loc
+
+
+def _metadata(lengths, computed, chunk_size, max_chunks=None, num_tokens=None):
+    qsl = query_start_loc(lengths)
+    num_tokens = num_tokens or max(int(qsl[-1]), 1)
+    max_chunks = max_chunks or max_chunks_for(num_tokens, len(lengths), chunk_size)
+    fn = jax.jit(chunk_metadata, static_argnames=("chunk_size", "max_chunks"))
+    md = fn(jnp.asarray(qsl), jnp.asarray(computed, jnp.int32), chunk_size=chunk_size,
+            max_chunks=max_chunks)
+    return qsl, jax.tree.map(np.asarray, md)
+
+
+def test_design_example():
+    _, md = _metadata([20, 10, 5, 2], [0, 13, 16, 5], chunk_size=8, max_chunks=7)
+    np.testing.assert_array_equal(md.cu_chunk_seqlens, [0, 8, 16, 20, 23, 30, 35, 37])
+    np.testing.assert_array_equal(md.seq_idx, [0, 0, 0, 1, 1, 2, 3])
+    np.testing.assert_array_equal(md.last_chunk_indices, [2, 4, 5, 6])
+    assert int(md.num_chunks) == 7
+
+
+def test_padding_chunks_and_empty_sequences():
+    _, md = _metadata([3, 0, 2], [0, 4, 7], chunk_size=4, max_chunks=8)
+    np.testing.assert_array_equal(md.cu_chunk_seqlens, [0, 3, 4, 5, 5, 5, 5, 5, 5])
+    np.testing.assert_array_equal(md.seq_idx, [0, 2, 2, -1, -1, -1, -1, -1])
+    np.testing.assert_array_equal(md.last_chunk_indices, [0, -1, 2])
+    assert int(md.num_chunks) == 3
+
+
+def _check_layout(lengths, computed, chunk_size):
+    qsl, md = _metadata(lengths, computed, chunk_size)
+    total, num_seqs = int(qsl[-1]), len(lengths)
+    n = int(md.num_chunks)
+    cu, seq = md.cu_chunk_seqlens, md.seq_idx
+    assert n <= total // chunk_size + 2 * num_seqs
+    assert n <= md.seq_idx.shape[0]
+    # Chunks cover all tokens in order, each non-empty; padding chunks are empty.
+    assert cu[0] == 0 and cu[n] == total
+    assert np.all(np.diff(cu[: n + 1]) > 0)
+    assert np.all(cu[n:] == total) and np.all(seq[n:] == -1)
+    for c in range(n):
+        b = seq[c]
+        start, end = cu[c], cu[c + 1]
+        # No chunk crosses sequences.
+        assert qsl[b] <= start and end <= qsl[b + 1]
+        assert end - start <= chunk_size
+        # Ends at an absolute multiple of the chunk size or at the sequence's last token;
+        # starts at one too, or at the sequence's first new token.
+        abs_end = computed[b] + end - qsl[b]
+        abs_start = computed[b] + start - qsl[b]
+        assert abs_end % chunk_size == 0 or end == qsl[b + 1]
+        assert abs_start % chunk_size == 0 or start == qsl[b]
+        # A chunk never spans an absolute chunk boundary.
+        assert abs_start // chunk_size == (abs_end - 1) // chunk_size
+    for b in range(num_seqs):
+        last = md.last_chunk_indices[b]
+        if lengths[b] == 0:
+            assert last == -1
+        else:
+            assert seq[last] == b and cu[last + 1] == qsl[b + 1]
+            assert last == n - 1 or seq[last + 1] != b
+
+
+@given(
+    chunk_size=st.sampled_from([1, 4, 8, 16]),
+    layout=st.lists(
+        st.tuples(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 31]),
+                  st.sampled_from([0, 1, 2, 3, 7, 8, 15, 16, 33])),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_layout_properties(chunk_size, layout):
+    lengths = [n for n, _ in layout]
+    computed = [nc for _, nc in layout]
+    _check_layout(lengths, computed, chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 8, 16])
+def test_layout_edge_cases(chunk_size):
+    _check_layout([1], [0], chunk_size)
+    _check_layout([0, 0, 1], [0, 5, 0], chunk_size)
+    _check_layout([chunk_size, 1, chunk_size + 1], [chunk_size - 1, 1, 0], chunk_size)
+
+
+def test_max_chunks_for():
+    assert max_chunks_for(37, 4, 8) == 12  # 37 // 8 + 2 * 4
+    assert max_chunks_for(5, 4, 8) == 5  # never more chunks than tokens
+    assert max_chunks_for(0, 1, 8) == 1
+    with pytest.raises(ValueError, match="chunk_size"):
+        max_chunks_for(8, 1, 0)
+
+
+def test_buckets():
+    assert token_buckets(100, min_tokens=16) == (16, 32, 64, 128)
+    assert sequence_buckets(8) == (1, 2, 4, 8)
+    assert bucket_for(33, token_buckets(100)) == 64
+    with pytest.raises(ValueError, match="exceeds"):
+        bucket_for(129, token_buckets(100))
+    qsl = pad_to_bucket(np.array([0, 3, 5]), 5, mode="edge")
+    np.testing.assert_array_equal(qsl, [0, 3, 5, 5, 5])
+    slots = pad_to_bucket(np.array([2, 0]), 4, fill=-1)
+    np.testing.assert_array_equal(slots, [2, 0, -1, -1])
+    with pytest.raises(ValueError, match="exceeds bucket"):
+        pad_to_bucket(np.arange(5), 4)
+
+
+def test_metadata_argument_errors():
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        chunk_metadata(jnp.array([0, 3]), jnp.array([0, 0]), chunk_size=4, max_chunks=2)
+    with pytest.raises(ValueError, match="max_chunks"):
+        chunk_metadata(jnp.array([0, 3]), jnp.array([0]), chunk_size=4, max_chunks=0)

@@ -1,0 +1,287 @@
+"""ssd_scan against the float64 token-by-token oracle, for every implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels import chunk_metadata, max_chunks_for, ssd_scan
+from pallas_kernels.ssd import api as ssd_api
+from pallas_kernels.testing import assert_close, ssd_oracle
+from tests.helpers import implementations, normal, query_start_loc
+
+IMPLS = implementations(ssd_api.IMPLEMENTATIONS)
+F32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+@dataclasses.dataclass
+class Problem:
+    """A random ragged SSD batch; ``num_tokens`` may exceed the real tokens (bucket rows)."""
+
+    x: jax.Array
+    dt: jax.Array
+    A: jax.Array
+    B: jax.Array
+    C: jax.Array
+    D: jax.Array
+    z: jax.Array
+    dt_bias: jax.Array
+    initial_states: jax.Array
+    qsl: np.ndarray
+    computed: np.ndarray
+    chunk_size: int
+
+    def metadata(self):
+        return chunk_metadata(
+            jnp.asarray(self.qsl), jnp.asarray(self.computed), chunk_size=self.chunk_size,
+            max_chunks=max_chunks_for(self.x.shape[0], len(self.computed), self.chunk_size),
+        )
+
+
+def make_problem(lengths, *, computed=None, heads=4, head_dim=4, state_dim=8, groups=2,
+                 chunk_size=8, dtype=jnp.float32, extra_rows=3, seed=0, a_scale=1.0):
+    rng = np.random.default_rng(seed)
+    qsl = query_start_loc(lengths)
+    T = int(qsl[-1]) + extra_rows
+    computed = np.zeros(len(lengths), np.int32) if computed is None else np.asarray(computed)
+    return Problem(
+        x=normal(rng, (T, heads, head_dim), dtype),
+        dt=normal(rng, (T, heads), dtype),
+        A=-jnp.asarray(np.exp(rng.normal(size=heads)) * a_scale, jnp.float32),
+        B=normal(rng, (T, groups, state_dim), dtype),
+        C=normal(rng, (T, groups, state_dim), dtype),
+        D=normal(rng, (heads, head_dim)),
+        z=normal(rng, (T, heads, head_dim), dtype),
+        dt_bias=normal(rng, (heads,), scale=0.5),
+        initial_states=normal(rng, (len(lengths), heads, head_dim, state_dim)),
+        qsl=qsl, computed=computed.astype(np.int32), chunk_size=chunk_size,
+    )
+
+
+def run(p: Problem, impl: str, **options):
+    return ssd_scan(p.x, p.dt, p.A, p.B, p.C, metadata=p.metadata(), chunk_size=p.chunk_size,
+                    implementation=impl, **options)
+
+
+def oracle(p: Problem, **options):
+    return ssd_oracle(p.x, p.dt, p.A, p.B, p.C, query_start_loc=p.qsl, **options)
+
+
+def full_options(p: Problem):
+    return dict(D=p.D, z=p.z, dt_bias=p.dt_bias, dt_softplus=True,
+                initial_states=p.initial_states)
+
+
+LAYOUTS = {
+    "prefill": ([20, 13], None),
+    "continuation": ([10, 5, 9], [13, 16, 5]),  # first chunks shortened by alignment
+    "decode_like": ([1, 1, 1], [7, 8, 0]),
+    "with_empty": ([0, 11, 0, 3], [4, 0, 0, 2]),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_all_options_match_oracle(impl, layout):
+    lengths, computed = LAYOUTS[layout]
+    p = make_problem(lengths, computed=computed)
+    y, states = run(p, impl, **full_options(p))
+    y_ref, states_ref = oracle(p, **full_options(p))
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close(states, states_ref, rtol=F32_TOL, name="final states")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("d_shape", ["H", "HP"])
+def test_groups_and_skip(impl, groups, d_shape):
+    p = make_problem([9, 17], groups=groups, seed=groups)
+    D = p.D[:, 0] if d_shape == "H" else p.D
+    y, states = run(p, impl, D=D, dt_softplus=True)
+    y_ref, states_ref = oracle(p, D=D, dt_softplus=True)
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close(states, states_ref, rtol=F32_TOL, name="states")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dt_limit_clamps(impl):
+    p = make_problem([19, 6], seed=3)
+    limit = (0.3, 0.9)
+    options = dict(dt_bias=p.dt_bias, dt_softplus=True)
+    y, _ = run(p, impl, dt_limit=limit, **options)
+    y_ref, _ = oracle(p, dt_limit=limit, **options)
+    y_unclamped, _ = oracle(p, **options)
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    # The limit is active on this data: the clamped and unclamped results differ.
+    assert np.linalg.norm(y_ref - y_unclamped) > 0.1 * np.linalg.norm(y_ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_intermediate_states_are_oracle_states_at_chunk_ends(impl):
+    p = make_problem([20, 10, 5, 2], computed=[0, 13, 16, 5])
+    md = p.metadata()
+    _, chunk_states = run(p, impl, return_intermediate_states=True, **full_options(p))
+    _, _, token_states = oracle(p, return_token_states=True, **full_options(p))
+    n = int(md.num_chunks)
+    ends = np.asarray(md.cu_chunk_seqlens)[1 : n + 1] - 1
+    assert chunk_states.shape == (md.max_chunks, *p.initial_states.shape[1:])
+    assert_close(chunk_states[:n], token_states[ends], rtol=F32_TOL, name="chunk states")
+    assert np.all(np.asarray(chunk_states[n:]) == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("split", [1, 5, 8, 13])
+def test_two_passes_chained_equal_one_pass(impl, split):
+    """A prefix computed earlier continues seamlessly from its final state."""
+    whole = make_problem([21, 11], extra_rows=0, seed=7)
+    options = dict(D=whole.D, z=whole.z, dt_bias=whole.dt_bias, dt_softplus=True)
+    y_whole, s_whole = run(whole, impl, **options)
+
+    s0, s1 = min(split, 21), min(split, 11)
+    first_rows = np.r_[0:s0, 21 : 21 + s1]
+    second_rows = np.r_[s0:21, 21 + s1 : 32]
+
+    def part(rows, lengths, computed):
+        fields = {f: getattr(whole, f)[rows] for f in ("x", "dt", "B", "C", "z")}
+        return dataclasses.replace(whole, **fields, qsl=query_start_loc(lengths),
+                                   computed=np.asarray(computed, np.int32))
+
+    first = part(first_rows, [s0, s1], [0, 0])
+    second = part(second_rows, [21 - s0, 11 - s1], [s0, s1])
+    opts1 = dict(options, z=first.z)
+    opts2 = dict(options, z=second.z)
+    y1, s1 = run(first, impl, **opts1)
+    y2, s2 = run(second, impl, initial_states=s1, **opts2)
+    assert_close(np.concatenate([y1, y2])[np.argsort(np.r_[first_rows, second_rows])],
+                 y_whole, rtol=F32_TOL, name="y")
+    assert_close(s2, s_whole, rtol=F32_TOL, name="final states")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_decay_is_finite(impl):
+    p = make_problem([30, 3], a_scale=1e4, seed=5)
+    options = dict(dt_bias=p.dt_bias + 5.0, dt_softplus=True, D=p.D)
+    y, states = run(p, impl, **options)
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(states))
+    y_ref, states_ref = oracle(p, **options)
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close(states, states_ref, rtol=F32_TOL, name="states")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_sequences_keep_initial_state_and_padding_rows_are_zero(impl):
+    p = make_problem([0, 5, 0], extra_rows=4)
+    # NaN in the bucket rows past the last sequence must not leak anywhere.
+    x = p.x.at[5:].set(jnp.nan)
+    p = dataclasses.replace(p, x=x)
+    y, states = run(p, impl, initial_states=p.initial_states, dt_softplus=True)
+    assert np.all(np.asarray(y[5:]) == 0)
+    np.testing.assert_array_equal(np.asarray(states)[[0, 2]],
+                                  np.asarray(p.initial_states)[[0, 2]])
+    y_ref, states_ref = oracle(p, initial_states=p.initial_states, dt_softplus=True)
+    assert_close(y[:5], y_ref[:5], rtol=F32_TOL, name="y")
+    assert_close(states, states_ref, rtol=F32_TOL, name="states")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_inputs_fp32_accumulation(impl, state_dtype):
+    p = make_problem([24, 9], dtype=jnp.bfloat16, seed=11)
+    options = full_options(p)
+    y, states = run(p, impl, state_dtype=state_dtype, **options)
+    assert y.dtype == jnp.bfloat16 and states.dtype == state_dtype
+    y_ref, states_ref = oracle(p, **options)  # the oracle sees the same bf16 values
+    assert_close(y, y_ref, rtol=BF16_TOL, name="y")
+    assert_close(states, states_ref, rtol=BF16_TOL, name="states")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_and_determinism(impl):
+    p = make_problem([12, 7])
+    md = p.metadata()
+    fn = jax.jit(lambda x, dt, B, C: ssd_scan(
+        x, dt, p.A, B, C, metadata=md, chunk_size=p.chunk_size, dt_softplus=True,
+        implementation=impl))
+    a = fn(p.x, p.dt, p.B, p.C)
+    b = fn(p.x, p.dt, p.B, p.C)
+    for u, w in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(w))
+
+
+@given(
+    lengths=st.lists(st.sampled_from([0, 1, 2, 7, 8, 9, 16, 23]), min_size=1, max_size=4),
+    computed=st.lists(st.sampled_from([0, 1, 5, 8, 11]), min_size=4, max_size=4),
+    chunk_size=st.sampled_from([4, 8]),
+)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_random_layouts_property(impl, lengths, computed, chunk_size):
+    p = make_problem(lengths, computed=computed[: len(lengths)], chunk_size=chunk_size)
+    y, states = run(p, impl, **full_options(p))
+    y_ref, states_ref = oracle(p, **full_options(p))
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close(states, states_ref, rtol=F32_TOL, name="states")
+
+
+def test_xla_is_differentiable():
+    p = make_problem([9, 6])
+    md = p.metadata()
+
+    def loss(x, B):
+        y, s = ssd_scan(x, p.dt, p.A, B, p.C, metadata=md, chunk_size=p.chunk_size,
+                        dt_softplus=True, D=p.D, implementation="xla")
+        return jnp.sum(y**2) + jnp.sum(s)
+
+    gx, gB = jax.grad(loss, argnums=(0, 1))(p.x, p.B)
+    assert np.all(np.isfinite(gx)) and np.all(np.isfinite(gB))
+    # Directional derivative against a central finite difference.
+    direction = normal(np.random.default_rng(1), p.x.shape)
+    eps = 1e-3
+    fd = (loss(p.x + eps * direction, p.B) - loss(p.x - eps * direction, p.B)) / (2 * eps)
+    np.testing.assert_allclose(jnp.vdot(gx, direction), fd, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(A=jnp.zeros(3)), r"A must have shape \[H\]"),
+        (dict(dt=jnp.zeros((5, 4))), r"dt must have shape \[T, H\]"),
+        (dict(B=jnp.zeros((37, 3, 8))), "groups"),
+        (dict(D=jnp.zeros((4, 5))), "D must have shape"),
+        (dict(z=jnp.zeros((37, 4, 5))), r"z must have shape \[T, H, P\]"),
+        (dict(initial_states=jnp.zeros((2, 4, 4, 8))), r"initial_states must have shape"),
+        (dict(dt_limit=(1.0, 0.5)), "dt_limit"),
+        (dict(implementation="cuda"), "implementation"),
+    ],
+)
+def test_argument_errors(change, match):
+    p = make_problem([20, 10, 5, 2])
+    args = dict(x=p.x, dt=p.dt, A=p.A, B=p.B, C=p.C, metadata=p.metadata(),
+                chunk_size=p.chunk_size) | change
+    with pytest.raises(ValueError, match=match):
+        ssd_scan(**args)
+
+
+def test_unavailable_implementation_is_a_clear_error():
+    p = make_problem([4])
+    missing = sorted({"triton", "mosaic"} - set(ssd_api.IMPLEMENTATIONS))
+    if not missing and jax.default_backend() == "gpu":
+        pytest.skip("every backend is available on this machine")
+    impl = missing[0] if missing else "mosaic"
+    with pytest.raises(ValueError, match=impl):
+        run(p, impl)
+
+
+def test_validate_rejects_inconsistent_metadata():
+    p = make_problem([20, 10])
+    md = p.metadata()
+    bad = dataclasses.replace(md, cu_chunk_seqlens=md.cu_chunk_seqlens.at[1].set(10))
+    with pytest.raises(ValueError, match="longer than"):
+        ssd_scan(p.x, p.dt, p.A, p.B, p.C, metadata=bad, chunk_size=8, validate=True)
+    assert math.isfinite(float(run(p, "xla")[0].sum()))

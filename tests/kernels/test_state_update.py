@@ -1,0 +1,151 @@
+"""selective_state_update against the float64 oracle; decode steps against a prefill."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import chunk_metadata, max_chunks_for, selective_state_update, ssd_scan
+from pallas_kernels.state_update import api as state_update_api
+from pallas_kernels.testing import assert_close, selective_state_update_oracle
+from tests.helpers import implementations, normal
+
+IMPLS = implementations(state_update_api.IMPLEMENTATIONS)
+F32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def make_step(rows, *, slots=6, heads=4, head_dim=4, state_dim=8, groups=2,
+              dtype=jnp.float32, cache_dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return dict(
+        state_cache=normal(rng, (slots, heads, head_dim, state_dim), cache_dtype),
+        x=normal(rng, (rows, heads, head_dim), dtype),
+        dt=normal(rng, (rows, heads), dtype),
+        A=-jnp.asarray(np.exp(rng.normal(size=heads)), jnp.float32),
+        B=normal(rng, (rows, groups, state_dim), dtype),
+        C=normal(rng, (rows, groups, state_dim), dtype),
+    ), dict(
+        D=normal(rng, (heads, head_dim)),
+        z=normal(rng, (rows, heads, head_dim), dtype),
+        dt_bias=normal(rng, (heads,), scale=0.5),
+        dt_softplus=True,
+    )
+
+
+def call(impl, arrays, slot_ids, **options):
+    a = arrays
+    return selective_state_update(a["state_cache"], a["x"], a["dt"], a["A"], a["B"], a["C"],
+                                  slot_ids=jnp.asarray(slot_ids, jnp.int32),
+                                  implementation=impl, **options)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("d_shape", ["H", "HP"])
+def test_matches_oracle(impl, groups, d_shape):
+    arrays, options = make_step(4, groups=groups, seed=groups)
+    if d_shape == "H":
+        options["D"] = options["D"][:, 0]
+    slots = [3, -1, 0, 5]
+    y, cache = call(impl, arrays, slots, **options)
+    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close(cache, cache_ref, rtol=F32_TOL, name="state cache")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_rows_and_unnamed_slots(impl):
+    arrays, options = make_step(3, slots=5)
+    # NaN in the slots nobody names: they must come back bit-identical and stay unread.
+    arrays["state_cache"] = arrays["state_cache"].at[jnp.array([1, 3])].set(jnp.nan)
+    slots = [4, -1, 0]
+    y, cache = call(impl, arrays, slots, **options)
+    assert np.all(np.isfinite(y))
+    assert np.all(np.asarray(y[1]) == 0)
+    before, after = np.asarray(arrays["state_cache"]), np.asarray(cache)
+    np.testing.assert_array_equal(after[[1, 2, 3]], before[[1, 2, 3]])
+    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
+    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close(after[[0, 4]], cache_ref[[0, 4]], rtol=F32_TOL, name="state cache")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_inputs_and_cache(impl, cache_dtype):
+    arrays, options = make_step(4, dtype=jnp.bfloat16, cache_dtype=cache_dtype, seed=2)
+    slots = [0, 1, 2, 3]
+    y, cache = call(impl, arrays, slots, **options)
+    assert y.dtype == jnp.bfloat16 and cache.dtype == cache_dtype
+    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
+    assert_close(y, y_ref, rtol=BF16_TOL, name="y")
+    assert_close(cache, cache_ref, rtol=BF16_TOL, name="state cache")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode_steps_equal_prefill(impl):
+    """N decode steps from a cached state equal one ssd_scan over the same N tokens."""
+    steps, rng = 5, np.random.default_rng(4)
+    heads, head_dim, state_dim, groups = 4, 4, 8, 2
+    x = normal(rng, (steps, heads, head_dim))
+    dt = normal(rng, (steps, heads))
+    A = -jnp.asarray(np.exp(rng.normal(size=heads)), jnp.float32)
+    B = normal(rng, (steps, groups, state_dim))
+    C = normal(rng, (steps, groups, state_dim))
+    init = normal(rng, (1, heads, head_dim, state_dim))
+    options = dict(D=normal(rng, (heads,)), dt_bias=normal(rng, (heads,)), dt_softplus=True)
+    md = chunk_metadata(jnp.array([0, steps]), jnp.array([3]), chunk_size=4,
+                        max_chunks=max_chunks_for(steps, 1, 4))
+    y_prefill, s_prefill = ssd_scan(x, dt, A, B, C, metadata=md, chunk_size=4,
+                                    initial_states=init, implementation="xla", **options)
+    cache = jnp.concatenate([normal(rng, (1, heads, head_dim, state_dim)), init])
+    ys = []
+    for t in range(steps):
+        y, cache = selective_state_update(cache, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1],
+                                          C[t : t + 1], slot_ids=jnp.array([1]),
+                                          implementation=impl, **options)
+        ys.append(y)
+    assert_close(jnp.concatenate(ys), y_prefill, rtol=F32_TOL, name="y")
+    assert_close(cache[1], s_prefill[0], rtol=F32_TOL, name="state")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_with_donation(impl):
+    arrays, options = make_step(2)
+
+    @jax.jit
+    def step(cache, x):
+        return selective_state_update(cache, x, arrays["dt"], arrays["A"], arrays["B"],
+                                      arrays["C"], slot_ids=jnp.array([2, 0]),
+                                      implementation=impl, **options)
+
+    expected = step(arrays["state_cache"], arrays["x"])
+    donated = jax.jit(step.__wrapped__, donate_argnums=0)
+    y, cache = donated(jnp.array(arrays["state_cache"]), arrays["x"])
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected[0]))
+    np.testing.assert_array_equal(np.asarray(cache), np.asarray(expected[1]))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(x=jnp.zeros((2, 4, 5))), r"x must have shape \[Bd, H, P\]"),
+        (dict(dt=jnp.zeros((2, 3))), r"dt must have shape \[Bd, H\]"),
+        (dict(B=jnp.zeros((2, 3, 8))), "groups"),
+        (dict(slot_ids=jnp.zeros(3, jnp.int32)), r"slot_ids must have shape \[Bd\]"),
+        (dict(slot_ids=jnp.zeros(2)), "slot_ids must be an integer"),
+    ],
+)
+def test_argument_errors(change, match):
+    arrays, _ = make_step(2)
+    args = arrays | dict(slot_ids=jnp.array([0, 1])) | change
+    with pytest.raises(ValueError, match=match):
+        selective_state_update(**args)
+
+
+def test_validate_rejects_bad_slots():
+    arrays, _ = make_step(2, slots=3)
+    for slots, match in (([0, 3], "slot_ids must be -1 or in"), ([1, 1], "at most once")):
+        with pytest.raises(ValueError, match=match):
+            selective_state_update(**arrays, slot_ids=jnp.array(slots), validate=True)
