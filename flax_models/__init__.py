@@ -1,0 +1,1 @@
+"""Flax NNX hybrid Mamba2/attention models built on ``pallas_kernels``."""

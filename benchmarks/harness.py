@@ -1,0 +1,128 @@
+"""Timing, measured ceilings and reporting shared by every benchmark module.
+
+Each figure is a median over repeated samples after warm-up; each sample times a batch of
+back-to-back calls ended by one ``block_until_ready``, so launch gaps are amortised and
+compile time stays out. Ceilings (copy bandwidth, bf16 matmul rate) are measured in the
+same run, never written down, and every row reports its fraction of the roofline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 3, samples: int = 15,
+            min_sample_ms: float = 1.0) -> Timing:
+    """Times ``fn()`` (already jitted, arguments closed over)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    once_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
+    calls = max(1, min(100, int(min_sample_ms / once_ms)))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+    return Timing(statistics.median(times), min(times), max(times))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Measured in this run: device-to-device copy (bytes read + written) and bf16 matmul."""
+
+    copy_gbps: float
+    matmul_tflops: float
+
+
+def measure_ceilings(*, quick: bool = False) -> Ceilings:
+    n = 1 << (20 if quick else 29)  # 1 GiB of bf16 on a GPU
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+    t = time_fn(lambda: copy(x)).median_ms
+    copy_gbps = 2 * x.nbytes / (t * 1e-3) / 1e9
+    m = 512 if quick else 8192
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    matmul = jax.jit(lambda u, w: jnp.dot(u, w, preferred_element_type=jnp.float32))
+    t = time_fn(lambda: matmul(a, b)).median_ms
+    return Ceilings(copy_gbps=copy_gbps, matmul_tflops=2 * m**3 / (t * 1e-3) / 1e12)
+
+
+def roofline_ms(flops: float, bytes_moved: float, ceilings: Ceilings) -> float:
+    """The larger of the compute and memory floors."""
+    return max(flops / (ceilings.matmul_tflops * 1e12), bytes_moved / (ceilings.copy_gbps * 1e9)) * 1e3
+
+
+def row(problem: str, implementation: str, timing: Timing, *, flops: float, bytes_moved: float,
+        ceilings: Ceilings, **extra: Any) -> dict[str, Any]:
+    """One result row: time, rates and fraction of the roofline."""
+    seconds = timing.median_ms * 1e-3
+    floor = roofline_ms(flops, bytes_moved, ceilings)
+    return dict(
+        problem=problem, implementation=implementation, median_ms=timing.median_ms,
+        min_ms=timing.min_ms, max_ms=timing.max_ms, tflops=flops / seconds / 1e12,
+        gbps=bytes_moved / seconds / 1e9, roofline_ms=floor,
+        roofline_fraction=floor / timing.median_ms, **extra,
+    )
+
+
+def add_speedups(rows: list[dict[str, Any]], baseline: str = "xla") -> None:
+    """Adds ``speedup_vs_<baseline>`` to every row whose problem has a baseline row."""
+    base = {r["problem"]: r["median_ms"] for r in rows if r["implementation"] == baseline}
+    for r in rows:
+        if r["problem"] in base:
+            r[f"speedup_vs_{baseline}"] = base[r["problem"]] / r["median_ms"]
+
+
+def report(title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings,
+           out: str | Path | None) -> None:
+    """Prints the table and writes the JSON (with device and ceilings) to ``out``."""
+    device = jax.devices()[0]
+    print(f"\n## {title} on {device.device_kind} (jax {jax.__version__}); copy "
+          f"{ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+    header = (f"{'problem':<22}{'impl':<8}{'median ms':>10}{'TFLOP/s':>9}{'GB/s':>8}"
+              f"{'roof ms':>9}{'% roof':>8}{'vs xla':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speedup = r.get("speedup_vs_xla")
+        print(f"{r['problem']:<22}{r['implementation']:<8}{r['median_ms']:>10.3f}"
+              f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{r['roofline_ms']:>9.3f}"
+              f"{100 * r['roofline_fraction']:>7.1f}%"
+              f"{'' if speedup is None else f'{speedup:.2f}x':>8}")
+    if out is not None:
+        payload = dict(
+            title=title, device=device.device_kind, platform=device.platform,
+            jax=jax.__version__, host=platform.node(), ceilings=dataclasses.asdict(ceilings),
+            rows=list(rows),
+        )
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(payload, indent=2, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {value!r}")

@@ -1,0 +1,702 @@
+"""``masked_tail_attention``, ``write_kv`` and ``kv_lens_from_mask`` against the float64
+oracles.
+
+Every KV cache holds NaN past each sequence's ``kv_lens`` and in every slot no sequence
+names (``poison_tail``): an implementation that reads a masked tail shows NaN. Every test
+runs against every implementation in the op's registry (Pallas kernels in interpret mode
+off-GPU), on small shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels.attention import api
+from pallas_kernels.testing import (
+    assert_close,
+    attention_oracle,
+    kv_lens_from_mask_oracle,
+    tolerance_for,
+    write_kv_oracle,
+)
+from tests.helpers import implementations, normal, poison_tail, query_start_loc
+
+ATTENTION = implementations(api.ATTENTION_IMPLEMENTATIONS)
+WRITE_KV = implementations(api.WRITE_KV_IMPLEMENTATIONS)
+DTYPES = (jnp.float32, jnp.bfloat16)
+CACHE_LEN = 32
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCase:
+    """Per-sequence query lengths and KV lengths (this step's tokens included), padding
+    sequences (slot -1) and bucket padding rows past ``query_start_loc[-1]``."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    padding: tuple[bool, ...] | None = None
+    pad_rows: int = 0
+
+
+CASES = (
+    VarlenCase("prefill", (5, 12, 3), (5, 12, 3)),
+    VarlenCase("chunked_prefill", (3, 8, 16), (19, 24, 32)),
+    VarlenCase("decode", (1, 1, 1, 1, 1), (1, 7, 16, 17, 32)),
+    VarlenCase("mixed", (9, 1, 4, 1), (9, 17, 25, 32)),
+    VarlenCase(
+        "padded",
+        (4, 0, 1, 3, 0),
+        (6, 0, 11, 3, 5),
+        padding=(False, True, False, True, False),
+        pad_rows=6,
+    ),
+)
+CASE_IDS = [c.name for c in CASES]
+MIXED = CASES[3]
+
+
+def as_f32(a) -> np.ndarray:
+    """A float32 NumPy copy of a JAX/NumPy array (bf16 values are exact in float32)."""
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def assert_bit_identical(actual, expected, name: str) -> None:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+    assert actual.tobytes() == expected.tobytes(), f"{name} changed"
+
+
+@dataclasses.dataclass
+class AttentionBatch:
+    q: jax.Array
+    k_cache: jax.Array
+    v_cache: jax.Array
+    query_start_loc: np.ndarray
+    kv_lens: np.ndarray
+    slot_ids: np.ndarray
+
+    def kwargs(self) -> dict:
+        return dict(
+            query_start_loc=self.query_start_loc, kv_lens=self.kv_lens, slot_ids=self.slot_ids
+        )
+
+    def dead_rows(self) -> np.ndarray:
+        """bool[T]: rows of padding sequences and rows past ``query_start_loc[-1]``."""
+        dead = np.ones(self.q.shape[0], bool)
+        for b, slot in enumerate(self.slot_ids):
+            if slot >= 0:
+                dead[self.query_start_loc[b] : self.query_start_loc[b + 1]] = False
+        return dead
+
+
+def make_batch(
+    rng: np.random.Generator,
+    q_lens,
+    kv_lens,
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    cache_len: int = CACHE_LEN,
+    dtype=jnp.float32,
+    padding=None,
+    pad_rows: int = 0,
+    extra_slots: int = 2,
+    q_scale: float = 1.0,
+    slot_ids=None,
+) -> AttentionBatch:
+    """Random queries and caches in random slots (or ``slot_ids``); every cache entry no
+    query may see (past ``kv_lens``, unnamed slots) is NaN."""
+    num_seqs = len(q_lens)
+    num_slots = num_seqs + extra_slots
+    if slot_ids is None:
+        slot_ids = rng.permutation(num_slots)[:num_seqs]
+    slot_ids = np.array(slot_ids, np.int32)
+    if padding is not None:
+        slot_ids[np.asarray(padding, bool)] = -1
+    kv_lens = np.asarray(kv_lens, np.int32)
+    shape = (num_slots, cache_len, num_kv_heads, head_dim)
+    k_cache = poison_tail(rng.normal(size=shape), slot_ids, kv_lens)
+    v_cache = poison_tail(rng.normal(size=shape), slot_ids, kv_lens)
+    num_tokens = int(sum(q_lens)) + pad_rows
+    return AttentionBatch(
+        q=normal(rng, (num_tokens, num_q_heads, head_dim), dtype, scale=q_scale),
+        k_cache=jnp.asarray(k_cache).astype(dtype),
+        v_cache=jnp.asarray(v_cache).astype(dtype),
+        query_start_loc=query_start_loc(q_lens),
+        kv_lens=kv_lens,
+        slot_ids=slot_ids,
+    )
+
+
+def case_batch(rng, case: VarlenCase, **kw) -> AttentionBatch:
+    return make_batch(
+        rng, case.q_lens, case.kv_lens, padding=case.padding, pad_rows=case.pad_rows, **kw
+    )
+
+
+def run_attention(batch: AttentionBatch, impl: str, **options):
+    return api.masked_tail_attention(
+        batch.q, batch.k_cache, batch.v_cache, **batch.kwargs(), implementation=impl, **options
+    )
+
+
+def check_attention(batch: AttentionBatch, out, **options) -> np.ndarray:
+    """Finite, exact zeros where the oracle has no visible key or a padding row, and
+    within the dtype's tolerance of the oracle. Returns the oracle's all-zero rows."""
+    ref = attention_oracle(
+        as_f32(batch.q),
+        as_f32(batch.k_cache),
+        as_f32(batch.v_cache),
+        **batch.kwargs(),
+        **options,
+    )
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    out32 = as_f32(out)
+    assert np.all(np.isfinite(out32)), "non-finite output: a masked cache entry was read"
+    zero_rows = np.all(ref == 0, axis=(1, 2))
+    assert np.all(zero_rows[batch.dead_rows()])
+    assert np.all(out32[zero_rows] == 0), "rows without a visible key must be exact zeros"
+    assert_close(out32, ref, rtol=tolerance_for(batch.q.dtype), name="out")
+    return zero_rows
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_matches_oracle_on_named_cases(impl, case, causal, dtype):
+    batch = case_batch(np.random.default_rng(0), case, dtype=dtype)
+    out = run_attention(batch, impl, causal=causal)
+    check_attention(batch, out, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 4)]
+)
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_grouped_query_heads(impl, num_q_heads, num_kv_heads, head_dim):
+    batch = case_batch(
+        np.random.default_rng(1),
+        MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    out = run_attention(batch, impl)
+    check_attention(batch, out)
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_query_heads_read_their_own_kv_head(impl):
+    """Doubling the values of KV head 1 doubles exactly the query heads mapped to it
+    (head h uses KV head h // (Hq // Hkv): heads 2, 3) and leaves heads 0, 1 alone."""
+    batch = case_batch(np.random.default_rng(2), MIXED, num_q_heads=4, num_kv_heads=2)
+    base = as_f32(run_attention(batch, impl))
+    moved = dataclasses.replace(batch, v_cache=batch.v_cache.at[:, :, 1].multiply(2.0))
+    out = as_f32(run_attention(moved, impl))
+    live = ~batch.dead_rows()
+    np.testing.assert_array_equal(out[:, :2], base[:, :2])
+    np.testing.assert_allclose(out[live, 2:], 2 * base[live, 2:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", [1, 3, 8, 64])
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_sliding_window(impl, window, causal):
+    # Window 1: each query sees only itself; 64 > every kv_len: the window changes nothing.
+    batch = make_batch(np.random.default_rng(3), (6, 1, 10, 1), (6, 20, 30, 2))
+    out = run_attention(batch, impl, causal=causal, sliding_window=window)
+    check_attention(batch, out, causal=causal, sliding_window=window)
+    if window == 64:
+        plain = run_attention(batch, impl, causal=causal)
+        assert_close(as_f32(out), as_f32(plain), rtol=1e-6, name="window > kv_len")
+
+
+@pytest.mark.parametrize("sm_scale, q_scale", [(0.05, 1.0), (1.0, 1.0), (1.0, 30.0)])
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_custom_sm_scale(impl, sm_scale, q_scale):
+    """Includes logits in the thousands: the softmax must subtract the row max."""
+    batch = case_batch(np.random.default_rng(4), CASES[1], q_scale=q_scale)
+    out = run_attention(batch, impl, sm_scale=sm_scale)
+    check_attention(batch, out, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_default_sm_scale_is_inverse_sqrt_head_dim(impl):
+    batch = case_batch(np.random.default_rng(5), MIXED, head_dim=8)
+    default = as_f32(run_attention(batch, impl))
+    explicit = as_f32(run_attention(batch, impl, sm_scale=8**-0.5))
+    assert_close(default, explicit, rtol=1e-6, name="out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_padding_sequences_and_bucket_rows_are_exact_zero(impl, dtype):
+    """Slot 0 is unnamed and all NaN: a padding row whose slot -1 were clamped to 0 would
+    read it. Padding sequences with and without tokens, a zero-length sequence with a
+    slot, and rows past ``query_start_loc[-1]`` (non-zero queries) all give 0."""
+    batch = make_batch(
+        np.random.default_rng(6),
+        (3, 0, 2, 0, 4),
+        (7, 0, 2, 9, 4),
+        padding=(False, True, True, False, False),
+        pad_rows=5,
+        dtype=dtype,
+        slot_ids=[3, -1, -1, 1, 2],
+    )
+    assert np.all(np.isnan(as_f32(batch.k_cache[0])))
+    for causal in (True, False):
+        out = run_attention(batch, impl, causal=causal)
+        zero_rows = check_attention(batch, out, causal=causal)
+        assert zero_rows.sum() == 2 + 5
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_rows_without_visible_keys_return_zero_not_nan(impl, causal):
+    """kv_lens = 0 with queries (no key at all), and kv_lens < q_len under the causal mask
+    (the first rows sit at negative positions): such rows are 0, the others exact."""
+    batch = make_batch(np.random.default_rng(7), (3, 5, 2), (0, 3, 6))
+    out = run_attention(batch, impl, causal=causal)
+    zero_rows = check_attention(batch, out, causal=causal)
+    expected_zero = 3 + (2 if causal else 0)
+    assert zero_rows.sum() == expected_zero
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_kv_lens_past_cache_length_stays_in_bounds(impl):
+    """Data the validator would reject: kv_lens > L. Kernels must stay in bounds; the
+    result is the oracle's (kv_lens clipped to L)."""
+    batch = make_batch(np.random.default_rng(8), (3, 1), (CACHE_LEN + 5, CACHE_LEN + 1))
+    out = run_attention(batch, impl)
+    check_attention(batch, out)
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_is_deterministic(impl):
+    batch = case_batch(np.random.default_rng(9), CASES[1], dtype=jnp.bfloat16)
+    first = run_attention(batch, impl, sliding_window=7)
+    second = run_attention(batch, impl, sliding_window=7)
+    assert_bit_identical(first, second, "out")
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_under_jit(impl):
+    batch = case_batch(np.random.default_rng(10), CASES[4])
+    fn = jax.jit(
+        functools.partial(
+            api.masked_tail_attention, causal=True, sliding_window=5, implementation=impl
+        )
+    )
+    out = fn(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
+    check_attention(batch, out, causal=True, sliding_window=5)
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_runs_the_named_implementation(impl):
+    batch = case_batch(np.random.default_rng(11), MIXED)
+    fn = functools.partial(api.masked_tail_attention, implementation=impl)
+    jaxpr = str(jax.make_jaxpr(fn)(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs()))
+    assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+@given(
+    q_lens=st.lists(st.sampled_from([0, 1, 2, 5, 8]), min_size=4, max_size=4),
+    cached=st.lists(st.sampled_from([0, 1, 7, 16, 31]), min_size=4, max_size=4),
+    padding=st.lists(st.sampled_from([False, False, True]), min_size=4, max_size=4),
+    causal=st.booleans(),
+    window=st.sampled_from([None, 1, 4, 64]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_property_random_batches(
+    impl, q_lens, cached, padding, causal, window, dtype, seed
+):
+    # Fixed T (bucket), B and L: shapes depend on the dtype only.
+    kv_lens = [min(q + c, CACHE_LEN) for q, c in zip(q_lens, cached, strict=True)]
+    batch = make_batch(
+        np.random.default_rng(seed),
+        q_lens,
+        kv_lens,
+        padding=padding,
+        pad_rows=32 - sum(q_lens),
+        dtype=dtype,
+    )
+    out = run_attention(batch, impl, causal=causal, sliding_window=window)
+    check_attention(batch, out, causal=causal, sliding_window=window)
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+@given(
+    perm=st.permutations(range(4)),
+    q_lens=st.lists(st.sampled_from([0, 1, 3, 6]), min_size=4, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_permuting_sequences_permutes_outputs(impl, perm, q_lens, seed):
+    rng = np.random.default_rng(seed)
+    kv_lens = [q + int(rng.integers(0, 8)) for q in q_lens]
+    batch = make_batch(rng, q_lens, kv_lens, pad_rows=24 - sum(q_lens))
+    out = as_f32(run_attention(batch, impl))
+    starts = batch.query_start_loc
+    rows = [np.arange(starts[b], starts[b + 1]) for b in perm]
+    order = np.concatenate([*rows, np.arange(starts[-1], 24)]).astype(int)
+    permuted = dataclasses.replace(
+        batch,
+        q=batch.q[order],
+        query_start_loc=query_start_loc([q_lens[b] for b in perm]),
+        kv_lens=batch.kv_lens[list(perm)],
+        slot_ids=batch.slot_ids[list(perm)],
+    )
+    out_permuted = as_f32(run_attention(permuted, impl))
+    assert_close(out_permuted, out[order], rtol=1e-6, name="permuted out")
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+WRITE_CASES = (
+    *CASES,
+    # Positions outside [0, L) are dropped: kv_lens > L (the last tokens) and
+    # kv_lens < q_len (the first tokens at negative positions; must not wrap around).
+    VarlenCase("out_of_range", (4, 3, 2), (CACHE_LEN + 2, 1, 0)),
+)
+
+
+def make_new_kv(rng, batch: AttentionBatch, dtype):
+    shape = (batch.q.shape[0], *batch.k_cache.shape[2:])
+    return normal(rng, shape, dtype), normal(rng, shape, dtype)
+
+
+def check_write(batch: AttentionBatch, k, v, k_cache, v_cache) -> None:
+    """New caches equal the oracle's bit for bit (values are copied), NaN included: lines
+    not written, unnamed slots and slot -1 sequences come back unchanged."""
+    k_ref, v_ref = write_kv_oracle(
+        as_f32(batch.k_cache), as_f32(batch.v_cache), as_f32(k), as_f32(v), **batch.kwargs()
+    )
+    for name, new, old, ref in (
+        ("k_cache", k_cache, batch.k_cache, k_ref),
+        ("v_cache", v_cache, batch.v_cache, v_ref),
+    ):
+        assert new.dtype == old.dtype and new.shape == old.shape
+        expected = np.asarray(jnp.asarray(ref, jnp.float32).astype(old.dtype))
+        assert_bit_identical(np.asarray(new), expected, name)
+    named = set(batch.slot_ids[batch.slot_ids >= 0].tolist())
+    for s in set(range(batch.k_cache.shape[0])) - named:
+        assert_bit_identical(k_cache[s], batch.k_cache[s], f"unnamed k_cache slot {s}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", WRITE_CASES, ids=[c.name for c in WRITE_CASES])
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_matches_oracle(impl, case, dtype):
+    rng = np.random.default_rng(20)
+    batch = case_batch(rng, case, dtype=dtype)
+    k, v = make_new_kv(rng, batch, dtype)
+    k_cache, v_cache = api.write_kv(
+        batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
+    )
+    check_write(batch, k, v, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_padding_writes_nothing(impl):
+    """Only padding sequences and bucket rows: the caches come back bit-identical."""
+    rng = np.random.default_rng(21)
+    batch = make_batch(rng, (2, 3), (5, 3), padding=(True, True), pad_rows=4)
+    k, v = make_new_kv(rng, batch, jnp.float32)
+    k_cache, v_cache = api.write_kv(
+        batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
+    )
+    assert_bit_identical(k_cache, batch.k_cache, "k_cache")
+    assert_bit_identical(v_cache, batch.v_cache, "v_cache")
+
+
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_under_jit(impl):
+    rng = np.random.default_rng(22)
+    batch = case_batch(rng, CASES[4])
+    k, v = make_new_kv(rng, batch, jnp.float32)
+    fn = jax.jit(functools.partial(api.write_kv, implementation=impl))
+    k_cache, v_cache = fn(batch.k_cache, batch.v_cache, k, v, **batch.kwargs())
+    check_write(batch, k, v, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_runs_the_named_implementation(impl):
+    rng = np.random.default_rng(23)
+    batch = case_batch(rng, MIXED)
+    k, v = make_new_kv(rng, batch, jnp.float32)
+    fn = functools.partial(api.write_kv, implementation=impl)
+    jaxpr = str(jax.make_jaxpr(fn)(batch.k_cache, batch.v_cache, k, v, **batch.kwargs()))
+    assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("attention_impl", ATTENTION)
+@pytest.mark.parametrize("write_impl", WRITE_KV)
+def test_write_kv_then_attention_matches_oracle(write_impl, attention_impl, case, dtype):
+    """One serving step: the cache holds kv_lens - q_len earlier keys (NaN after them),
+    this step's keys are written, then the queries attend. Equals the oracle on the
+    oracle-updated cache, and the tails past kv_lens are still NaN (never written)."""
+    rng = np.random.default_rng(24)
+    history = [kv - q for q, kv in zip(case.q_lens, case.kv_lens, strict=True)]
+    batch = case_batch(rng, case, dtype=dtype)
+    for name in ("k_cache", "v_cache"):
+        poisoned = poison_tail(as_f32(getattr(batch, name)), batch.slot_ids, history)
+        setattr(batch, name, jnp.asarray(poisoned).astype(dtype))
+    k, v = make_new_kv(rng, batch, dtype)
+    k_cache, v_cache = api.write_kv(
+        batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=write_impl
+    )
+    check_write(batch, k, v, k_cache, v_cache)
+    for slot, kv_len in zip(batch.slot_ids, batch.kv_lens, strict=True):
+        if slot >= 0:
+            assert np.all(np.isnan(as_f32(k_cache[slot, kv_len:])))
+            assert not np.any(np.isnan(as_f32(k_cache[slot, :kv_len])))
+    updated = dataclasses.replace(batch, k_cache=k_cache, v_cache=v_cache)
+    out = run_attention(updated, attention_impl)
+    check_attention(updated, out)
+
+
+# --------------------------------------------------------------------------- kv_lens_from_mask
+
+
+# Rows: all visible, all masked, right padding, left padding, holes, only the first key,
+# only the last key, alternating.
+MASK_PATTERN = np.array(
+    [
+        [1, 1, 1, 1, 1, 1, 1, 1, 1],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0, 0],
+        [0, 0, 0, 1, 1, 1, 1, 1, 1],
+        [1, 0, 0, 1, 1, 0, 1, 0, 0],
+        [1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 1],
+        [0, 1, 0, 1, 0, 1, 0, 1, 0],
+    ],
+    dtype=bool,
+)
+PATTERN_LENS = np.array([9, 0, 5, 9, 7, 1, 9, 8])
+
+
+def additive(masked_value, dtype, visible_values=(0.0,)) -> jax.Array:
+    """The pattern as an additive mask: ``visible_values`` (cycled) where visible."""
+    visible = np.resize(np.asarray(visible_values, np.float32), MASK_PATTERN.shape)
+    values = np.where(MASK_PATTERN, visible, np.float32(masked_value))
+    return jnp.asarray(values).astype(dtype)
+
+
+MASKS = {
+    "bool": lambda: jnp.asarray(MASK_PATTERN),
+    "int32_01": lambda: jnp.asarray(MASK_PATTERN.astype(np.int32)),
+    "int8_01": lambda: jnp.asarray(MASK_PATTERN.astype(np.int8)),
+    "f32_neg_inf": lambda: additive(-np.inf, jnp.float32),
+    "f16_neg_inf": lambda: additive(-np.inf, jnp.float16),
+    "bf16_neg_inf": lambda: additive(-np.inf, jnp.bfloat16),
+    "f32_finfo_min": lambda: additive(np.finfo(np.float32).min, jnp.float32),
+    "f16_finfo_min": lambda: additive(np.finfo(np.float16).min, jnp.float16),
+    "bf16_finfo_min": lambda: additive(jnp.finfo(jnp.bfloat16).min, jnp.bfloat16),
+    "f32_minus_1e9": lambda: additive(-1e9, jnp.float32),
+    "f32_minus_1e4": lambda: additive(-1e4, jnp.float32),
+    "f16_minus_1e4": lambda: additive(-1e4, jnp.float16),
+    # Visible keys with a (non-zero) bias, e.g. ALiBi: still visible.
+    "f32_biased_visible": lambda: additive(-np.inf, jnp.float32, (0.0, -3.5, -100.0, 2.0)),
+    "f16_biased_visible": lambda: additive(np.finfo(np.float16).min, jnp.float16, (-0.5, -9000.0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_kv_lens_from_mask_matches_oracle(kind):
+    mask = MASKS[kind]()
+    lens = api.kv_lens_from_mask(mask)
+    assert lens.dtype == jnp.int32 and lens.shape == (MASK_PATTERN.shape[0],)
+    np.testing.assert_array_equal(np.asarray(lens), kv_lens_from_mask_oracle(np.asarray(mask)))
+    np.testing.assert_array_equal(np.asarray(lens), PATTERN_LENS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_kv_lens_from_mask_minus_1e4_masks_in_every_float_dtype(dtype):
+    """The documented -1e4 convention masks, also in bfloat16 where -1e4 rounds to -9984."""
+    lens = api.kv_lens_from_mask(additive(-1e4, dtype))
+    np.testing.assert_array_equal(np.asarray(lens), PATTERN_LENS)
+
+
+def test_kv_lens_from_mask_nan_counts_as_masked_and_jit_works():
+    mask = additive(np.nan, jnp.float32)
+    lens = jax.jit(api.kv_lens_from_mask)(mask)
+    np.testing.assert_array_equal(np.asarray(lens), kv_lens_from_mask_oracle(np.asarray(mask)))
+    np.testing.assert_array_equal(np.asarray(lens), PATTERN_LENS)
+
+
+def test_kv_lens_from_mask_rejects_non_2d_masks():
+    for shape in [(9,), (2, 1, 9)]:
+        with pytest.raises(ValueError, match="mask"):
+            api.kv_lens_from_mask(jnp.ones(shape, bool))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_argument_errors(impl):
+    batch = case_batch(np.random.default_rng(30), MIXED)  # Hq=4, Hkv=2, D=16
+    call = functools.partial(run_attention, impl=impl)
+    bad = {
+        "num_kv_heads": dict(q=batch.q[:, :3]),
+        "q must have shape": dict(q=batch.q[..., :8]),
+        "v_cache": dict(v_cache=batch.v_cache[:, :16]),
+        "k_cache": dict(k_cache=batch.k_cache[0], v_cache=batch.v_cache[0]),
+        "kv_lens": dict(kv_lens=batch.kv_lens[:2]),
+        "slot_ids": dict(slot_ids=batch.slot_ids[:, None]),
+        "query_start_loc": dict(query_start_loc=batch.query_start_loc.astype(np.float32)),
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            call(dataclasses.replace(batch, **change))
+    for window in (0, -3):
+        with pytest.raises(ValueError, match="sliding_window"):
+            call(batch, sliding_window=window)
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_validate_rejects_bad_data(impl):
+    batch = case_batch(np.random.default_rng(31), MIXED)  # q_lens (9, 1, 4, 1)
+    call = functools.partial(run_attention, impl=impl, validate=True)
+    call(batch)  # valid data passes
+    bad = {
+        "kv_lens": [
+            dict(kv_lens=np.array([8, 17, 25, 32], np.int32)),  # kv_lens < q_len
+            dict(kv_lens=np.array([9, 17, 25, CACHE_LEN + 1], np.int32)),  # > L
+        ],
+        "query_start_loc": [
+            dict(query_start_loc=np.array([0, 9, 8, 14, 15], np.int32)),
+            dict(query_start_loc=np.array([0, 9, 10, 14, 16], np.int32)),  # past T
+        ],
+        "slot_ids": [
+            dict(slot_ids=np.array([0, 1, 2, 6], np.int32)),
+            dict(slot_ids=np.array([0, 1, -2, 3], np.int32)),
+            dict(slot_ids=np.array([0, 1, 1, 3], np.int32)),
+        ],
+    }
+    for message, changes in bad.items():
+        for change in changes:
+            with pytest.raises(ValueError, match=message):
+                call(dataclasses.replace(batch, **change))
+
+
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_argument_errors(impl):
+    rng = np.random.default_rng(32)
+    batch = case_batch(rng, MIXED)
+    k, v = make_new_kv(rng, batch, jnp.float32)
+    call = functools.partial(api.write_kv, implementation=impl)
+    kw = batch.kwargs()
+    with pytest.raises(ValueError, match="k must have shape"):
+        call(batch.k_cache, batch.v_cache, k[..., :8], v, **kw)
+    with pytest.raises(ValueError, match="v must have shape"):
+        call(batch.k_cache, batch.v_cache, k, v[:-1], **kw)
+    with pytest.raises(ValueError, match="v_cache"):
+        call(batch.k_cache, batch.v_cache[:, :, :1], k, v, **kw)
+    with pytest.raises(ValueError, match="kv_lens"):
+        call(batch.k_cache, batch.v_cache, k, v, **{**kw, "kv_lens": batch.kv_lens[:3]})
+    with pytest.raises(ValueError, match="kv_lens"):
+        bad_lens = np.array([9, 17, 25, CACHE_LEN + 1], np.int32)
+        call(batch.k_cache, batch.v_cache, k, v, **{**kw, "kv_lens": bad_lens}, validate=True)
+    with pytest.raises(ValueError, match="slot_ids"):
+        bad_slots = np.array([0, 1, 2, 9], np.int32)
+        call(batch.k_cache, batch.v_cache, k, v, **{**kw, "slot_ids": bad_slots}, validate=True)
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+
+
+def oracle_on_rows(batch: AttentionBatch, rows: np.ndarray, **options) -> np.ndarray:
+    """The causal oracle for a subsample of rows: each row becomes a one-token sequence at
+    its own position (same visible keys under the causal mask), so the float64 loops
+    only run for those rows."""
+    seq = np.searchsorted(batch.query_start_loc[1:], rows, side="right")
+    q_len = np.diff(batch.query_start_loc)[seq]
+    position = batch.kv_lens[seq] - q_len + rows - batch.query_start_loc[seq]
+    return attention_oracle(
+        as_f32(batch.q[rows]),
+        batch.k_cache,
+        batch.v_cache,
+        query_start_loc=np.arange(len(rows) + 1),
+        kv_lens=position + 1,
+        slot_ids=batch.slot_ids[seq],
+        causal=True,
+        **options,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding_window", [None, 1024])
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_real_size(impl, sliding_window):
+    rng = np.random.default_rng(40)
+    q_lens = (2048, 1, 1, 512, 0, 1, 1500, 33)
+    kv_lens = (2048, 4000, 4096, 3000, 0, 1, 1500, 4096)
+    batch = make_batch(
+        rng,
+        q_lens,
+        kv_lens,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        cache_len=4096,
+        dtype=jnp.bfloat16,
+        padding=(False, False, False, False, True, False, False, False),
+        pad_rows=4096 + 512 - sum(q_lens),
+        extra_slots=8,
+    )
+    out = as_f32(run_attention(batch, impl, sliding_window=sliding_window))
+    assert np.all(np.isfinite(out))
+    assert np.all(out[batch.dead_rows()] == 0)
+    live = np.flatnonzero(~batch.dead_rows())
+    rows = np.unique(np.concatenate([live[:4], live[-4:], rng.choice(live, 24, replace=False)]))
+    ref = oracle_on_rows(batch, rows, sliding_window=sliding_window)
+    assert_close(out[rows], ref, rtol=tolerance_for(jnp.bfloat16), name="out (sampled rows)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_real_size(impl):
+    rng = np.random.default_rng(41)
+    q_lens = (1024, 1, 1, 300, 7)
+    batch = make_batch(
+        rng,
+        q_lens,
+        (1024, 4000, 4096, 3000, 4103),
+        num_q_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        cache_len=4096,
+        dtype=jnp.bfloat16,
+        padding=(False, False, True, False, False),
+        pad_rows=2048 - sum(q_lens),
+        extra_slots=3,
+    )
+    k, v = make_new_kv(rng, batch, jnp.bfloat16)
+    k_cache, v_cache = api.write_kv(
+        batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
+    )
+    check_write(batch, k, v, k_cache, v_cache)
