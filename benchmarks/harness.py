@@ -29,8 +29,9 @@ class Timing:
     max_ms: float
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 3, samples: int = 15,
-            min_sample_ms: float = 1.0) -> Timing:
+def time_fn(
+    fn: Callable[[], Any], *, warmup: int = 3, samples: int = 15, min_sample_ms: float = 1.0
+) -> Timing:
     """Times ``fn()`` (already jitted, arguments closed over)."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
@@ -72,19 +73,35 @@ def measure_ceilings(*, quick: bool = False) -> Ceilings:
 
 def roofline_ms(flops: float, bytes_moved: float, ceilings: Ceilings) -> float:
     """The larger of the compute and memory floors."""
-    return max(flops / (ceilings.matmul_tflops * 1e12), bytes_moved / (ceilings.copy_gbps * 1e9)) * 1e3
+    return (
+        max(flops / (ceilings.matmul_tflops * 1e12), bytes_moved / (ceilings.copy_gbps * 1e9)) * 1e3
+    )
 
 
-def row(problem: str, implementation: str, timing: Timing, *, flops: float, bytes_moved: float,
-        ceilings: Ceilings, **extra: Any) -> dict[str, Any]:
+def row(
+    problem: str,
+    implementation: str,
+    timing: Timing,
+    *,
+    flops: float,
+    bytes_moved: float,
+    ceilings: Ceilings,
+    **extra: Any,
+) -> dict[str, Any]:
     """One result row: time, rates and fraction of the roofline."""
     seconds = timing.median_ms * 1e-3
     floor = roofline_ms(flops, bytes_moved, ceilings)
     return dict(
-        problem=problem, implementation=implementation, median_ms=timing.median_ms,
-        min_ms=timing.min_ms, max_ms=timing.max_ms, tflops=flops / seconds / 1e12,
-        gbps=bytes_moved / seconds / 1e9, roofline_ms=floor,
-        roofline_fraction=floor / timing.median_ms, **extra,
+        problem=problem,
+        implementation=implementation,
+        median_ms=timing.median_ms,
+        min_ms=timing.min_ms,
+        max_ms=timing.max_ms,
+        tflops=flops / seconds / 1e12,
+        gbps=bytes_moved / seconds / 1e9,
+        roofline_ms=floor,
+        roofline_fraction=floor / timing.median_ms,
+        **extra,
     )
 
 
@@ -96,26 +113,37 @@ def add_speedups(rows: list[dict[str, Any]], baseline: str = "xla") -> None:
             r[f"speedup_vs_{baseline}"] = base[r["problem"]] / r["median_ms"]
 
 
-def report(title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings,
-           out: str | Path | None) -> None:
+def report(
+    title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings, out: str | Path | None
+) -> None:
     """Prints the table and writes the JSON (with device and ceilings) to ``out``."""
     device = jax.devices()[0]
-    print(f"\n## {title} on {device.device_kind} (jax {jax.__version__}); copy "
-          f"{ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-    header = (f"{'problem':<22}{'impl':<8}{'median ms':>10}{'TFLOP/s':>9}{'GB/s':>8}"
-              f"{'roof ms':>9}{'% roof':>8}{'vs xla':>8}")
+    print(
+        f"\n## {title} on {device.device_kind} (jax {jax.__version__}); copy "
+        f"{ceilings.copy_gbps:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s"
+    )
+    header = (
+        f"{'problem':<22}{'impl':<8}{'median ms':>10}{'TFLOP/s':>9}{'GB/s':>8}"
+        f"{'roof ms':>9}{'% roof':>8}{'vs xla':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         speedup = r.get("speedup_vs_xla")
-        print(f"{r['problem']:<22}{r['implementation']:<8}{r['median_ms']:>10.3f}"
-              f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{r['roofline_ms']:>9.3f}"
-              f"{100 * r['roofline_fraction']:>7.1f}%"
-              f"{'' if speedup is None else f'{speedup:.2f}x':>8}")
+        print(
+            f"{r['problem']:<22}{r['implementation']:<8}{r['median_ms']:>10.3f}"
+            f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{r['roofline_ms']:>9.3f}"
+            f"{100 * r['roofline_fraction']:>7.1f}%"
+            f"{'' if speedup is None else f'{speedup:.2f}x':>8}"
+        )
     if out is not None:
         payload = dict(
-            title=title, device=device.device_kind, platform=device.platform,
-            jax=jax.__version__, host=platform.node(), ceilings=dataclasses.asdict(ceilings),
+            title=title,
+            device=device.device_kind,
+            platform=device.platform,
+            jax=jax.__version__,
+            host=platform.node(),
+            ceilings=dataclasses.asdict(ceilings),
             rows=list(rows),
         )
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -47,8 +47,10 @@ def prefill_problems(quick: bool) -> list[PrefillProblem]:
     rng = np.random.default_rng(0)
     if quick:
         small = dict(heads=4, head_dim=8, state_dim=8, chunk_size=16)
-        return [PrefillProblem("tiny-uniform", (64, 64), **small),
-                PrefillProblem("tiny-ragged", (5, 70, 33), **small)]
+        return [
+            PrefillProblem("tiny-uniform", (64, 64), **small),
+            PrefillProblem("tiny-ragged", (5, 70, 33), **small),
+        ]
     ragged = tuple(int(n) for n in rng.integers(64, 8193, size=8))
     short = tuple(int(n) for n in rng.integers(1, 701, size=64))
     return [
@@ -84,8 +86,10 @@ def prefill_cost(p: PrefillProblem, cu_chunk_seqlens: np.ndarray) -> tuple[float
     flops = np.sum(2 * lens**2 * (G * N + H * P) + 4 * lens * H * P * N)
     T = float(sum(p.lengths))
     bf16, f32 = 2, 4
-    bytes_moved = (T * (2 * H * P + 2 * G * N + H) * bf16  # x, y, B, C, dt
-                   + len(p.lengths) * H * P * N * f32)  # final states
+    bytes_moved = (
+        T * (2 * H * P + 2 * G * N + H) * bf16  # x, y, B, C, dt
+        + len(p.lengths) * H * P * N * f32
+    )  # final states
     return float(flops), float(bytes_moved)
 
 
@@ -101,19 +105,45 @@ def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
     A = -jnp.asarray(np.exp(rng.uniform(-1, 1, H)), jnp.float32)
     D, dt_bias = jnp.ones((H,), jnp.float32), jnp.zeros((H,), jnp.float32) - 2.0
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(p.lengths)]), jnp.int32)
-    md = chunk_metadata(qsl, jnp.zeros(len(p.lengths), jnp.int32), chunk_size=p.chunk_size,
-                        max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size))
+    md = chunk_metadata(
+        qsl,
+        jnp.zeros(len(p.lengths), jnp.int32),
+        chunk_size=p.chunk_size,
+        max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size),
+    )
     n = int(md.num_chunks)
     flops, bytes_moved = prefill_cost(p, np.asarray(md.cu_chunk_seqlens)[: n + 1])
     rows = []
     for impl in runnable(ssd_api.IMPLEMENTATIONS):
-        fn = jax.jit(lambda x, dt, B, C, md, impl=impl: ssd_scan(
-            x, dt, A, B, C, metadata=md, chunk_size=p.chunk_size, D=D, dt_bias=dt_bias,
-            dt_softplus=True, implementation=impl))
+        fn = jax.jit(
+            lambda x, dt, B, C, md, impl=impl: ssd_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                metadata=md,
+                chunk_size=p.chunk_size,
+                D=D,
+                dt_bias=dt_bias,
+                dt_softplus=True,
+                implementation=impl,
+            )
+        )
         timing = harness.time_fn(lambda fn=fn: fn(x, dt, B, C, md))
-        rows.append(harness.row(p.name, impl, timing, flops=flops, bytes_moved=bytes_moved,
-                                ceilings=ceilings, tokens=T, sequences=len(p.lengths),
-                                chunks=n))
+        rows.append(
+            harness.row(
+                p.name,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=ceilings,
+                tokens=T,
+                sequences=len(p.lengths),
+                chunks=n,
+            )
+        )
     return rows
 
 
@@ -134,9 +164,22 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
     flops = 6 * R * H * P * N
     rows = []
     for impl in runnable(state_update_api.IMPLEMENTATIONS):
-        fn = jax.jit(lambda cache, x, impl=impl: selective_state_update(
-            cache, x, dt, A, B, C, slot_ids=slots, D=D, dt_bias=dt_bias, dt_softplus=True,
-            implementation=impl), donate_argnums=0)
+        fn = jax.jit(
+            lambda cache, x, impl=impl: selective_state_update(
+                cache,
+                x,
+                dt,
+                A,
+                B,
+                C,
+                slot_ids=slots,
+                D=D,
+                dt_bias=dt_bias,
+                dt_softplus=True,
+                implementation=impl,
+            ),
+            donate_argnums=0,
+        )
         state = {"cache": cache}
 
         def step(fn=fn, state=state):
@@ -144,8 +187,17 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
             return y
 
         timing = harness.time_fn(step)
-        rows.append(harness.row(p.name, impl, timing, flops=flops, bytes_moved=bytes_moved,
-                                ceilings=ceilings, rows=R))
+        rows.append(
+            harness.row(
+                p.name,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=ceilings,
+                rows=R,
+            )
+        )
     return rows
 
 

@@ -42,8 +42,13 @@ def _median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def _row(op, shape, actual, expected, fn):
     actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    return dict(op=op, shape=shape, rel=testing.relative_error(actual, expected),
-                max_abs=float(np.max(np.abs(actual - expected))), ms=_median_ms(fn))
+    return dict(
+        op=op,
+        shape=shape,
+        rel=testing.relative_error(actual, expected),
+        max_abs=float(np.max(np.abs(actual - expected))),
+        ms=_median_ms(fn),
+    )
 
 
 def run(implementation: str = "auto", seed: int = 0) -> list[dict]:
@@ -65,46 +70,117 @@ def run(implementation: str = "auto", seed: int = 0) -> list[dict]:
     B, C = normal(NUM_TOKENS, GROUPS, STATE_DIM), normal(NUM_TOKENS, GROUPS, STATE_DIM)
     D, dt_bias = normal(HEADS), normal(HEADS)
     init = normal(num_seqs, HEADS, HEAD_DIM, STATE_DIM)
-    md = pk.chunk_metadata(jnp.asarray(qsl), jnp.asarray(computed), chunk_size=CHUNK,
-                           max_chunks=pk.max_chunks_for(NUM_TOKENS, num_seqs, CHUNK))
-    ssd = jax.jit(lambda: pk.ssd_scan(
-        x, dt, A, B, C, metadata=md, chunk_size=CHUNK, D=D, dt_bias=dt_bias, dt_softplus=True,
-        initial_states=init, implementation=implementation))
+    md = pk.chunk_metadata(
+        jnp.asarray(qsl),
+        jnp.asarray(computed),
+        chunk_size=CHUNK,
+        max_chunks=pk.max_chunks_for(NUM_TOKENS, num_seqs, CHUNK),
+    )
+    ssd = jax.jit(
+        lambda: pk.ssd_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            metadata=md,
+            chunk_size=CHUNK,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            initial_states=init,
+            implementation=implementation,
+        )
+    )
     y, _ = ssd()
-    y_ref, _ = testing.ssd_oracle(x, dt, A, B, C, query_start_loc=qsl, D=D, dt_bias=dt_bias,
-                                  dt_softplus=True, initial_states=init)
+    y_ref, _ = testing.ssd_oracle(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        query_start_loc=qsl,
+        D=D,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        initial_states=init,
+    )
     rows.append(_row("ssd_scan", f"x{list(x.shape)} G={GROUPS} cs={CHUNK}", y, y_ref, ssd))
 
     # Decode SSM step for the first three sequences' slots.
     state_cache = normal(NUM_SLOTS, HEADS, HEAD_DIM, STATE_DIM)
-    step = jax.jit(lambda: pk.selective_state_update(
-        state_cache, x[:3], dt[:3], A, B[:3], C[:3], slot_ids=jnp.asarray(slots[:3]), D=D,
-        dt_bias=dt_bias, dt_softplus=True, implementation=implementation))
+    step = jax.jit(
+        lambda: pk.selective_state_update(
+            state_cache,
+            x[:3],
+            dt[:3],
+            A,
+            B[:3],
+            C[:3],
+            slot_ids=jnp.asarray(slots[:3]),
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            implementation=implementation,
+        )
+    )
     y, _ = step()
     y_ref, _ = testing.selective_state_update_oracle(
-        state_cache, x[:3], dt[:3], A, B[:3], C[:3], slot_ids=slots[:3], D=D, dt_bias=dt_bias,
-        dt_softplus=True)
+        state_cache,
+        x[:3],
+        dt[:3],
+        A,
+        B[:3],
+        C[:3],
+        slot_ids=slots[:3],
+        D=D,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+    )
     rows.append(_row("selective_state_update", f"x{list(x[:3].shape)}", y, y_ref, step))
 
     # Causal conv1d prefill (mixed prefill + decode rows) and decode update.
     xc, w, bias = normal(NUM_TOKENS, CONV_DIM), normal(CONV_DIM, WIDTH), normal(CONV_DIM)
     conv_cache = normal(NUM_SLOTS, WIDTH - 1, CONV_DIM)
     has_init = computed > 0
-    conv = jax.jit(lambda: pk.causal_conv1d(
-        xc, w, bias, query_start_loc=jnp.asarray(qsl), conv_state_cache=conv_cache,
-        slot_ids=jnp.asarray(slots), has_initial_state=jnp.asarray(has_init),
-        implementation=implementation))
+    conv = jax.jit(
+        lambda: pk.causal_conv1d(
+            xc,
+            w,
+            bias,
+            query_start_loc=jnp.asarray(qsl),
+            conv_state_cache=conv_cache,
+            slot_ids=jnp.asarray(slots),
+            has_initial_state=jnp.asarray(has_init),
+            implementation=implementation,
+        )
+    )
     y, _ = conv()
     y_ref, _ = testing.causal_conv1d_oracle(
-        xc, w, bias, query_start_loc=qsl, conv_state_cache=conv_cache, slot_ids=slots,
-        has_initial_state=has_init, activation="silu")
+        xc,
+        w,
+        bias,
+        query_start_loc=qsl,
+        conv_state_cache=conv_cache,
+        slot_ids=slots,
+        has_initial_state=has_init,
+        activation="silu",
+    )
     rows.append(_row("causal_conv1d", f"x{list(xc.shape)} K={WIDTH}", y, y_ref, conv))
-    update = jax.jit(lambda: pk.causal_conv1d_update(
-        xc[:3], conv_cache, w, bias, slot_ids=jnp.asarray(slots[:3]),
-        implementation=implementation))
+    update = jax.jit(
+        lambda: pk.causal_conv1d_update(
+            xc[:3],
+            conv_cache,
+            w,
+            bias,
+            slot_ids=jnp.asarray(slots[:3]),
+            implementation=implementation,
+        )
+    )
     y, _ = update()
     y_ref, _ = testing.causal_conv1d_update_oracle(
-        xc[:3], conv_cache, w, bias, slot_ids=slots[:3], activation="silu")
+        xc[:3], conv_cache, w, bias, slot_ids=slots[:3], activation="silu"
+    )
     rows.append(_row("causal_conv1d_update", f"x{list(xc[:3].shape)}", y, y_ref, update))
 
     # Attention over a KV cache whose tails are NaN (never read).
@@ -115,19 +191,32 @@ def run(implementation: str = "auto", seed: int = 0) -> list[dict]:
     for s, n in zip(slots, np.asarray(kv_lens), strict=True):
         if s >= 0:
             k_cache[s, n:] = v_cache[s, n:] = np.nan
-    attend = jax.jit(lambda: pk.masked_tail_attention(
-        q, k_cache, v_cache, query_start_loc=jnp.asarray(qsl), kv_lens=kv_lens,
-        slot_ids=jnp.asarray(slots), implementation=implementation))
+    attend = jax.jit(
+        lambda: pk.masked_tail_attention(
+            q,
+            k_cache,
+            v_cache,
+            query_start_loc=jnp.asarray(qsl),
+            kv_lens=kv_lens,
+            slot_ids=jnp.asarray(slots),
+            implementation=implementation,
+        )
+    )
     out = attend()
-    out_ref = testing.attention_oracle(q, k_cache, v_cache, query_start_loc=qsl,
-                                       kv_lens=kv_lens, slot_ids=slots)
-    rows.append(_row("masked_tail_attention", f"q{list(q.shape)} L={CACHE_LEN} GQA",
-                     out, out_ref, attend))
+    out_ref = testing.attention_oracle(
+        q, k_cache, v_cache, query_start_loc=qsl, kv_lens=kv_lens, slot_ids=slots
+    )
+    rows.append(
+        _row("masked_tail_attention", f"q{list(q.shape)} L={CACHE_LEN} GQA", out, out_ref, attend)
+    )
 
     # Gated grouped RMSNorm.
     xn, zn, wn = normal(NUM_TOKENS, CONV_DIM), normal(NUM_TOKENS, CONV_DIM), normal(CONV_DIM)
-    norm = jax.jit(lambda: pk.gated_rms_norm(xn, zn, wn, group_size=CONV_DIM // GROUPS,
-                                             implementation=implementation))
+    norm = jax.jit(
+        lambda: pk.gated_rms_norm(
+            xn, zn, wn, group_size=CONV_DIM // GROUPS, implementation=implementation
+        )
+    )
     y_ref = testing.gated_rms_norm_oracle(xn, zn, wn, group_size=CONV_DIM // GROUPS)
     rows.append(_row("gated_rms_norm", f"x{list(xn.shape)} groups={GROUPS}", norm(), y_ref, norm))
     return rows
@@ -135,19 +224,21 @@ def run(implementation: str = "auto", seed: int = 0) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--implementation", default="auto",
-                        choices=["auto", "xla", "triton", "mosaic"])
+    parser.add_argument(
+        "--implementation", default="auto", choices=["auto", "xla", "triton", "mosaic"]
+    )
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "
-          f"implementation={args.implementation!r}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "
+        f"implementation={args.implementation!r}"
+    )
     print(f"ragged batch: lengths={list(LENGTHS)} computed={list(COMPUTED)} slots={list(SLOTS)}")
     rows = run(args.implementation)
     header = f"{'op':<24}{'shape':<30}{'rel err':>10}{'max abs':>10}{'ms':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['op']:<24}{r['shape']:<30}{r['rel']:>10.2e}{r['max_abs']:>10.2e}"
-              f"{r['ms']:>9.3f}")
+        print(f"{r['op']:<24}{r['shape']:<30}{r['rel']:>10.2e}{r['max_abs']:>10.2e}{r['ms']:>9.3f}")
 
 
 if __name__ == "__main__":

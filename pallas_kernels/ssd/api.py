@@ -12,10 +12,10 @@ import numpy as np
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Implementation, dispatch
 from pallas_kernels.metadata import ChunkMetadata
-from pallas_kernels.ssd import reference
+from pallas_kernels.ssd import reference, triton
 
 # Backend name -> implementation; Pallas backends take ``interpret=`` as well.
-IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.ssd_scan}
+IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.ssd_scan, "triton": triton.ssd_scan}
 
 
 def ssd_scan(

@@ -10,9 +10,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Implementation, dispatch
-from pallas_kernels.state_update import reference
+from pallas_kernels.state_update import reference, triton
 
-IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.selective_state_update}
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": reference.selective_state_update,
+    "triton": triton.selective_state_update,
+}
 
 
 def selective_state_update(

@@ -25,8 +25,12 @@ def _metadata(lengths, computed, chunk_size, max_chunks=None, num_tokens=None):
     num_tokens = num_tokens or max(int(qsl[-1]), 1)
     max_chunks = max_chunks or max_chunks_for(num_tokens, len(lengths), chunk_size)
     fn = jax.jit(chunk_metadata, static_argnames=("chunk_size", "max_chunks"))
-    md = fn(jnp.asarray(qsl), jnp.asarray(computed, jnp.int32), chunk_size=chunk_size,
-            max_chunks=max_chunks)
+    md = fn(
+        jnp.asarray(qsl),
+        jnp.asarray(computed, jnp.int32),
+        chunk_size=chunk_size,
+        max_chunks=max_chunks,
+    )
     return qsl, jax.tree.map(np.asarray, md)
 
 
@@ -83,8 +87,10 @@ def _check_layout(lengths, computed, chunk_size):
 @given(
     chunk_size=st.sampled_from([1, 4, 8, 16]),
     layout=st.lists(
-        st.tuples(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 31]),
-                  st.sampled_from([0, 1, 2, 3, 7, 8, 15, 16, 33])),
+        st.tuples(
+            st.sampled_from([0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 31]),
+            st.sampled_from([0, 1, 2, 3, 7, 8, 15, 16, 33]),
+        ),
         min_size=1,
         max_size=6,
     ),

@@ -40,13 +40,27 @@ class Problem:
 
     def metadata(self):
         return chunk_metadata(
-            jnp.asarray(self.qsl), jnp.asarray(self.computed), chunk_size=self.chunk_size,
+            jnp.asarray(self.qsl),
+            jnp.asarray(self.computed),
+            chunk_size=self.chunk_size,
             max_chunks=max_chunks_for(self.x.shape[0], len(self.computed), self.chunk_size),
         )
 
 
-def make_problem(lengths, *, computed=None, heads=4, head_dim=4, state_dim=8, groups=2,
-                 chunk_size=8, dtype=jnp.float32, extra_rows=3, seed=0, a_scale=1.0):
+def make_problem(
+    lengths,
+    *,
+    computed=None,
+    heads=4,
+    head_dim=4,
+    state_dim=8,
+    groups=2,
+    chunk_size=8,
+    dtype=jnp.float32,
+    extra_rows=3,
+    seed=0,
+    a_scale=1.0,
+):
     rng = np.random.default_rng(seed)
     qsl = query_start_loc(lengths)
     T = int(qsl[-1]) + extra_rows
@@ -61,13 +75,24 @@ def make_problem(lengths, *, computed=None, heads=4, head_dim=4, state_dim=8, gr
         z=normal(rng, (T, heads, head_dim), dtype),
         dt_bias=normal(rng, (heads,), scale=0.5),
         initial_states=normal(rng, (len(lengths), heads, head_dim, state_dim)),
-        qsl=qsl, computed=computed.astype(np.int32), chunk_size=chunk_size,
+        qsl=qsl,
+        computed=computed.astype(np.int32),
+        chunk_size=chunk_size,
     )
 
 
 def run(p: Problem, impl: str, **options):
-    return ssd_scan(p.x, p.dt, p.A, p.B, p.C, metadata=p.metadata(), chunk_size=p.chunk_size,
-                    implementation=impl, **options)
+    return ssd_scan(
+        p.x,
+        p.dt,
+        p.A,
+        p.B,
+        p.C,
+        metadata=p.metadata(),
+        chunk_size=p.chunk_size,
+        implementation=impl,
+        **options,
+    )
 
 
 def oracle(p: Problem, **options):
@@ -75,8 +100,7 @@ def oracle(p: Problem, **options):
 
 
 def full_options(p: Problem):
-    return dict(D=p.D, z=p.z, dt_bias=p.dt_bias, dt_softplus=True,
-                initial_states=p.initial_states)
+    return dict(D=p.D, z=p.z, dt_bias=p.dt_bias, dt_softplus=True, initial_states=p.initial_states)
 
 
 LAYOUTS = {
@@ -150,8 +174,9 @@ def test_two_passes_chained_equal_one_pass(impl, split):
 
     def part(rows, lengths, computed):
         fields = {f: getattr(whole, f)[rows] for f in ("x", "dt", "B", "C", "z")}
-        return dataclasses.replace(whole, **fields, qsl=query_start_loc(lengths),
-                                   computed=np.asarray(computed, np.int32))
+        return dataclasses.replace(
+            whole, **fields, qsl=query_start_loc(lengths), computed=np.asarray(computed, np.int32)
+        )
 
     first = part(first_rows, [s0, s1], [0, 0])
     second = part(second_rows, [21 - s0, 11 - s1], [s0, s1])
@@ -159,8 +184,12 @@ def test_two_passes_chained_equal_one_pass(impl, split):
     opts2 = dict(options, z=second.z)
     y1, s1 = run(first, impl, **opts1)
     y2, s2 = run(second, impl, initial_states=s1, **opts2)
-    assert_close(np.concatenate([y1, y2])[np.argsort(np.r_[first_rows, second_rows])],
-                 y_whole, rtol=F32_TOL, name="y")
+    assert_close(
+        np.concatenate([y1, y2])[np.argsort(np.r_[first_rows, second_rows])],
+        y_whole,
+        rtol=F32_TOL,
+        name="y",
+    )
     assert_close(s2, s_whole, rtol=F32_TOL, name="final states")
 
 
@@ -183,8 +212,7 @@ def test_empty_sequences_keep_initial_state_and_padding_rows_are_zero(impl):
     p = dataclasses.replace(p, x=x)
     y, states = run(p, impl, initial_states=p.initial_states, dt_softplus=True)
     assert np.all(np.asarray(y[5:]) == 0)
-    np.testing.assert_array_equal(np.asarray(states)[[0, 2]],
-                                  np.asarray(p.initial_states)[[0, 2]])
+    np.testing.assert_array_equal(np.asarray(states)[[0, 2]], np.asarray(p.initial_states)[[0, 2]])
     y_ref, states_ref = oracle(p, initial_states=p.initial_states, dt_softplus=True)
     assert_close(y[:5], y_ref[:5], rtol=F32_TOL, name="y")
     assert_close(states, states_ref, rtol=F32_TOL, name="states")
@@ -206,9 +234,19 @@ def test_bf16_inputs_fp32_accumulation(impl, state_dtype):
 def test_jit_and_determinism(impl):
     p = make_problem([12, 7])
     md = p.metadata()
-    fn = jax.jit(lambda x, dt, B, C: ssd_scan(
-        x, dt, p.A, B, C, metadata=md, chunk_size=p.chunk_size, dt_softplus=True,
-        implementation=impl))
+    fn = jax.jit(
+        lambda x, dt, B, C: ssd_scan(
+            x,
+            dt,
+            p.A,
+            B,
+            C,
+            metadata=md,
+            chunk_size=p.chunk_size,
+            dt_softplus=True,
+            implementation=impl,
+        )
+    )
     a = fn(p.x, p.dt, p.B, p.C)
     b = fn(p.x, p.dt, p.B, p.C)
     for u, w in zip(a, b, strict=True):
@@ -234,8 +272,18 @@ def test_xla_is_differentiable():
     md = p.metadata()
 
     def loss(x, B):
-        y, s = ssd_scan(x, p.dt, p.A, B, p.C, metadata=md, chunk_size=p.chunk_size,
-                        dt_softplus=True, D=p.D, implementation="xla")
+        y, s = ssd_scan(
+            x,
+            p.dt,
+            p.A,
+            B,
+            p.C,
+            metadata=md,
+            chunk_size=p.chunk_size,
+            dt_softplus=True,
+            D=p.D,
+            implementation="xla",
+        )
         return jnp.sum(y**2) + jnp.sum(s)
 
     gx, gB = jax.grad(loss, argnums=(0, 1))(p.x, p.B)
@@ -262,8 +310,10 @@ def test_xla_is_differentiable():
 )
 def test_argument_errors(change, match):
     p = make_problem([20, 10, 5, 2])
-    args = dict(x=p.x, dt=p.dt, A=p.A, B=p.B, C=p.C, metadata=p.metadata(),
-                chunk_size=p.chunk_size) | change
+    args = (
+        dict(x=p.x, dt=p.dt, A=p.A, B=p.B, C=p.C, metadata=p.metadata(), chunk_size=p.chunk_size)
+        | change
+    )
     with pytest.raises(ValueError, match=match):
         ssd_scan(**args)
 

@@ -16,8 +16,18 @@ IMPLS = implementations(state_update_api.IMPLEMENTATIONS)
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 
 
-def make_step(rows, *, slots=6, heads=4, head_dim=4, state_dim=8, groups=2,
-              dtype=jnp.float32, cache_dtype=jnp.float32, seed=0):
+def make_step(
+    rows,
+    *,
+    slots=6,
+    heads=4,
+    head_dim=4,
+    state_dim=8,
+    groups=2,
+    dtype=jnp.float32,
+    cache_dtype=jnp.float32,
+    seed=0,
+):
     rng = np.random.default_rng(seed)
     return dict(
         state_cache=normal(rng, (slots, heads, head_dim, state_dim), cache_dtype),
@@ -36,9 +46,17 @@ def make_step(rows, *, slots=6, heads=4, head_dim=4, state_dim=8, groups=2,
 
 def call(impl, arrays, slot_ids, **options):
     a = arrays
-    return selective_state_update(a["state_cache"], a["x"], a["dt"], a["A"], a["B"], a["C"],
-                                  slot_ids=jnp.asarray(slot_ids, jnp.int32),
-                                  implementation=impl, **options)
+    return selective_state_update(
+        a["state_cache"],
+        a["x"],
+        a["dt"],
+        a["A"],
+        a["B"],
+        a["C"],
+        slot_ids=jnp.asarray(slot_ids, jnp.int32),
+        implementation=impl,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -95,16 +113,35 @@ def test_decode_steps_equal_prefill(impl):
     C = normal(rng, (steps, groups, state_dim))
     init = normal(rng, (1, heads, head_dim, state_dim))
     options = dict(D=normal(rng, (heads,)), dt_bias=normal(rng, (heads,)), dt_softplus=True)
-    md = chunk_metadata(jnp.array([0, steps]), jnp.array([3]), chunk_size=4,
-                        max_chunks=max_chunks_for(steps, 1, 4))
-    y_prefill, s_prefill = ssd_scan(x, dt, A, B, C, metadata=md, chunk_size=4,
-                                    initial_states=init, implementation="xla", **options)
+    md = chunk_metadata(
+        jnp.array([0, steps]), jnp.array([3]), chunk_size=4, max_chunks=max_chunks_for(steps, 1, 4)
+    )
+    y_prefill, s_prefill = ssd_scan(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        metadata=md,
+        chunk_size=4,
+        initial_states=init,
+        implementation="xla",
+        **options,
+    )
     cache = jnp.concatenate([normal(rng, (1, heads, head_dim, state_dim)), init])
     ys = []
     for t in range(steps):
-        y, cache = selective_state_update(cache, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1],
-                                          C[t : t + 1], slot_ids=jnp.array([1]),
-                                          implementation=impl, **options)
+        y, cache = selective_state_update(
+            cache,
+            x[t : t + 1],
+            dt[t : t + 1],
+            A,
+            B[t : t + 1],
+            C[t : t + 1],
+            slot_ids=jnp.array([1]),
+            implementation=impl,
+            **options,
+        )
         ys.append(y)
     assert_close(jnp.concatenate(ys), y_prefill, rtol=F32_TOL, name="y")
     assert_close(cache[1], s_prefill[0], rtol=F32_TOL, name="state")
@@ -116,9 +153,17 @@ def test_jit_with_donation(impl):
 
     @jax.jit
     def step(cache, x):
-        return selective_state_update(cache, x, arrays["dt"], arrays["A"], arrays["B"],
-                                      arrays["C"], slot_ids=jnp.array([2, 0]),
-                                      implementation=impl, **options)
+        return selective_state_update(
+            cache,
+            x,
+            arrays["dt"],
+            arrays["A"],
+            arrays["B"],
+            arrays["C"],
+            slot_ids=jnp.array([2, 0]),
+            implementation=impl,
+            **options,
+        )
 
     expected = step(arrays["state_cache"], arrays["x"])
     donated = jax.jit(step.__wrapped__, donate_argnums=0)
