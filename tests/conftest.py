@@ -14,7 +14,7 @@ settings.register_profile(
     "ci", max_examples=12, derandomize=True, database=None, deadline=None, print_blob=True
 )
 settings.register_profile(
-    "gpu", max_examples=40, derandomize=True, database=None, deadline=None, print_blob=True
+    "gpu", max_examples=20, derandomize=True, database=None, deadline=None, print_blob=True
 )
 settings.load_profile("gpu" if jax.default_backend() == "gpu" else "ci")
 

@@ -335,3 +335,98 @@ def test_validate_rejects_inconsistent_metadata():
     with pytest.raises(ValueError, match="longer than"):
         ssd_scan(p.x, p.dt, p.A, p.B, p.C, metadata=bad, chunk_size=8, validate=True)
     assert math.isfinite(float(run(p, "xla")[0].sum()))
+
+
+# ------------------------------------------------------------------ GPU, real sizes
+
+
+def _real_problem(lengths, *, groups, chunk_size, dtype, head_dim=64, state_dim=128, seed=0):
+    """Mamba2-like magnitudes (dt' ~ softplus(dt - 2), A ~ -exp(N(0, 1))), drawn on the
+    device: host-side NumPy draws of multi-GB tensors would dominate the test."""
+    heads, T = 128, int(sum(lengths)) + 5
+    keys = iter(jax.random.split(jax.random.key(seed), 10))
+
+    def normal(shape, scale=1.0, dtype=dtype):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
+
+    return Problem(
+        x=normal((T, heads, head_dim), 0.5), dt=normal((T, heads)),
+        A=-jnp.exp(normal((heads,), dtype=jnp.float32)),
+        B=normal((T, groups, state_dim)), C=normal((T, groups, state_dim)),
+        D=normal((heads, head_dim), dtype=jnp.float32), z=normal((T, heads, head_dim)),
+        dt_bias=normal((heads,), 0.5, jnp.float32) - 2.0,
+        initial_states=normal((len(lengths), heads, head_dim, state_dim), dtype=jnp.float32),
+        qsl=query_start_loc(lengths), computed=np.zeros(len(lengths), np.int32),
+        chunk_size=chunk_size,
+    )
+
+
+def _check_sequences_against_oracle(p: Problem, y, states, seqs, options, rtol):
+    """The oracle on single sequences (sequences are independent), fast enough at real
+    sizes: exactly what a wrong offset, a crossed sequence or a lost state would break."""
+    for b in seqs:
+        lo, hi = int(p.qsl[b]), int(p.qsl[b + 1])
+        opts = dict(options, z=None if options.get("z") is None else options["z"][lo:hi],
+                    initial_states=options["initial_states"][b : b + 1])
+        y_ref, s_ref = ssd_oracle(p.x[lo:hi], p.dt[lo:hi], p.A, p.B[lo:hi], p.C[lo:hi],
+                                  query_start_loc=np.array([0, hi - lo]), **opts)
+        assert_close(y[lo:hi], y_ref, rtol=rtol, name=f"y of sequence {b}")
+        assert_close(states[b], s_ref[0], rtol=rtol, name=f"state of sequence {b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8])
+@pytest.mark.parametrize("chunk_size", [128, 256])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_real_sizes(groups, chunk_size, dtype):
+    rng = np.random.default_rng(chunk_size + groups)
+    lengths = [int(n) for n in rng.integers(1, 3000, size=7)] + [1]
+    p = _real_problem(lengths, groups=groups, chunk_size=chunk_size, dtype=dtype)
+    options = full_options(p)
+    y, states = run(p, "triton", **options)
+    with jax.default_matmul_precision("highest"):
+        y_xla, states_xla = run(p, "xla", **options)
+    rtol = F32_TOL * 10 if dtype == jnp.float32 else BF16_TOL
+    assert_close(y, y_xla, rtol=rtol, name="y vs xla")
+    assert_close(states, states_xla, rtol=rtol, name="states vs xla")
+    assert np.all(np.asarray(y[int(p.qsl[-1]):]) == 0)
+    _check_sequences_against_oracle(p, y, states, [0, len(lengths) - 1], options, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", [1, 64])
+def test_gpu_65k_tokens(num_seqs):
+    rng = np.random.default_rng(num_seqs)
+    cuts = np.sort(rng.choice(np.arange(1, 65536), size=num_seqs - 1, replace=False))
+    lengths = np.diff(np.r_[0, cuts, 65536]).tolist()
+    p = _real_problem(lengths, groups=1, chunk_size=256, dtype=jnp.bfloat16)
+    options = dict(D=p.D, dt_bias=p.dt_bias, dt_softplus=True, initial_states=p.initial_states)
+    y, states = run(p, "triton", **options)
+    with jax.default_matmul_precision("highest"):
+        y_xla, states_xla = run(p, "xla", **options)
+    assert_close(y, y_xla, rtol=BF16_TOL, name="y vs xla")
+    assert_close(states, states_xla, rtol=BF16_TOL, name="states vs xla")
+    shortest = int(np.argmin(lengths))
+    _check_sequences_against_oracle(p, y, states, sorted({shortest, num_seqs - 1}), options,
+                                    BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_headdim_80_dstate_256():
+    p = _real_problem([700, 1, 333], groups=2, chunk_size=256, dtype=jnp.bfloat16,
+                      head_dim=80, state_dim=256)
+    options = full_options(p)
+    y, states = run(p, "triton", return_intermediate_states=False, **options)
+    _check_sequences_against_oracle(p, y, states, [0, 1, 2], options, BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_past_2_to_the_31():
+    """T·H·P > 2³¹: the last sequence's rows sit past every 32-bit element offset."""
+    total = (1 << 31) // (128 * 64) + 4096
+    lengths = [total - 300, 300]
+    p = _real_problem(lengths, groups=1, chunk_size=256, dtype=jnp.bfloat16)
+    options = dict(D=p.D, dt_bias=p.dt_bias, dt_softplus=True, initial_states=p.initial_states)
+    y, states = run(p, "triton", **options)
+    assert p.x.size > 2**31
+    _check_sequences_against_oracle(p, y, states, [1], options, BF16_TOL)
