@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import slot_gather_index
+from pallas_kernels._common import matmul_precision, slot_gather_index
 from pallas_kernels.attention._layout import token_layout
 
 # Bytes of gathered keys (or values) per query block; bounds the reference's memory.
@@ -36,6 +36,7 @@ def masked_tail_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     cache_len, num_kv_heads = k_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
+    precision = matmul_precision(q.dtype)
     layout = token_layout(num_tokens, query_start_loc, kv_lens, slot_ids)
 
     row_bytes = cache_len * num_kv_heads * head_dim * 4
@@ -60,7 +61,7 @@ def masked_tail_attention(
         k = jnp.where(keep, k_cache[slot_gather_index(slot)], 0).astype(f32)  # [bq, L, Hkv, D]
         v = jnp.where(keep, v_cache[slot_gather_index(slot)], 0).astype(f32)
         q_g = q_b.astype(f32).reshape(block_q, num_kv_heads, group, head_dim)
-        logits = jnp.einsum("thrd,tlhd->thrl", q_g, k) * sm_scale
+        logits = jnp.einsum("thrd,tlhd->thrl", q_g, k, precision=precision) * sm_scale
         mask = visible[:, None, None, :]
         logits = jnp.where(mask, logits, -jnp.inf)
         row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -68,7 +69,9 @@ def masked_tail_attention(
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
         p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum("thrl,tlhd->thrd", p, v) / jnp.maximum(denom, jnp.finfo(f32).tiny)
+        out = jnp.einsum("thrl,tlhd->thrd", p, v, precision=precision) / jnp.maximum(
+            denom, jnp.finfo(f32).tiny
+        )
         return out.reshape(block_q, num_q_heads, head_dim).astype(q.dtype)
 
     out = jax.lax.map(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import process_dt, silu
+from pallas_kernels._common import matmul_precision, process_dt, silu
 from pallas_kernels.metadata import ChunkMetadata
 
 
@@ -49,6 +49,7 @@ def ssd_scan(
     heads_per_group = num_heads // num_groups
     num_seqs = metadata.last_chunk_indices.shape[0]
     cs = chunk_size
+    precision = matmul_precision(x.dtype)
 
     # 0) Gather chunks: rows past a chunk's end are masked (dt' = 0 there).
     starts = metadata.cu_chunk_seqlens[:-1]
@@ -77,13 +78,15 @@ def ssd_scan(
     causal = jnp.tril(jnp.ones((cs, cs), dtype=bool))
     decay = jnp.where(causal, jnp.exp(segsum), 0.0)
     decay = decay.reshape(nc, num_groups, heads_per_group, cs, cs)
-    cb = jnp.einsum("clgn,csgn->cgls", Cc, Bc)
+    cb = jnp.einsum("clgn,csgn->cgls", Cc, Bc, precision=precision)
     dt_g = grouped(dtc)  # [nc, cs, G, R]
-    y = jnp.einsum("cgls,cgrls,csgr,csgrp->clgrp", cb, decay, dt_g, xc)
+    y = jnp.einsum("cgls,cgrls,csgr,csgrp->clgrp", cb, decay, dt_g, xc, precision=precision)
 
     # 3) Each chunk's state from a zero start.
     decay_to_end = grouped(jnp.exp(jnp.minimum(cum_last[:, None, :] - cum, 0.0)))
-    chunk_states = jnp.einsum("csgn,csgr,csgr,csgrp->cgrpn", Bc, decay_to_end, dt_g, xc)
+    chunk_states = jnp.einsum(
+        "csgn,csgr,csgr,csgrp->cgrpn", Bc, decay_to_end, dt_g, xc, precision=precision
+    )
     chunk_states = chunk_states.reshape(nc, num_heads, head_dim, state_dim)
 
     # 4) State passing along each sequence's chunks (never across sequences).
@@ -109,7 +112,7 @@ def ssd_scan(
     # 5) Off-diagonal part, D skip, z gate.
     before_g = states_before.reshape(nc, num_groups, heads_per_group, head_dim, state_dim)
     carry_decay = grouped(jnp.exp(jnp.minimum(cum, 0.0)))  # [nc, cs, G, R]
-    y = y + jnp.einsum("clgn,cgrpn,clgr->clgrp", Cc, before_g, carry_decay)
+    y = y + jnp.einsum("clgn,cgrpn,clgr->clgrp", Cc, before_g, carry_decay, precision=precision)
     y = y.reshape(nc, cs, num_heads, head_dim)
     if D is not None:
         y = y + D.astype(f32).reshape(num_heads, -1) * x[rows].astype(f32)

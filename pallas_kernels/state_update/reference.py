@@ -8,7 +8,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import process_dt, silu, slot_gather_index, slot_scatter_index
+from pallas_kernels._common import (
+    matmul_precision,
+    process_dt,
+    silu,
+    slot_gather_index,
+    slot_scatter_index,
+)
 
 
 def selective_state_update(
@@ -33,6 +39,7 @@ def selective_state_update(
     num_groups, state_dim = B.shape[1:]
     heads_per_group = num_heads // num_groups
     live = slot_ids >= 0
+    precision = matmul_precision(x.dtype)
 
     state = state_cache[slot_gather_index(slot_ids)].astype(f32)  # [Bd, H, P, N]
     state = state.reshape(rows, num_groups, heads_per_group, head_dim, state_dim)
@@ -40,8 +47,10 @@ def selective_state_update(
     decay = jnp.exp(jnp.minimum(dtp * A.astype(f32), 0.0))  # [Bd, H]
     decay = decay.reshape(rows, num_groups, heads_per_group)[..., None, None]
     dt_x = (dtp[..., None] * x.astype(f32)).reshape(rows, num_groups, heads_per_group, head_dim)
-    state = decay * state + jnp.einsum("bgrp,bgn->bgrpn", dt_x, B.astype(f32))
-    y = jnp.einsum("bgrpn,bgn->bgrp", state, C.astype(f32)).reshape(rows, num_heads, head_dim)
+    state = decay * state + jnp.einsum("bgrp,bgn->bgrpn", dt_x, B.astype(f32), precision=precision)
+    y = jnp.einsum("bgrpn,bgn->bgrp", state, C.astype(f32), precision=precision).reshape(
+        rows, num_heads, head_dim
+    )
     if D is not None:
         y = y + D.astype(f32).reshape(num_heads, -1) * x.astype(f32)
     if z is not None:
