@@ -70,7 +70,12 @@ def ssd_scan(
     dtc = process_dt(dt[rows].astype(f32), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     dtc = jnp.where(valid[..., None], dtc, 0.0)  # [nc, cs, H]
     cum = jnp.cumsum(dtc * A.astype(f32), axis=1)  # [nc, cs, H]
-    cum_last = cum[:, -1, :]  # [nc, H]: dt' = 0 past the end, so this is the chunk's total
+    # The chunk total is cum at the chunk's last row, copied to the masked rows after it:
+    # a parallel scan may round cum[-1] differently, which large |A dt| turns into a
+    # scaled contribution of the last token through exp(cum_last - cum_j).
+    last_row = jnp.maximum(ends - starts - 1, 0)[:, None, None]
+    cum_last = jnp.take_along_axis(cum, last_row, axis=1)[:, 0, :]  # [nc, H]
+    cum = jnp.where(valid[..., None], cum, cum_last[:, None, :])
 
     # 2) Diagonal block. Exponents are clamped to <= 0 (no overflow off the causal band).
     cum_h = cum.transpose(0, 2, 1)  # [nc, H, cs]

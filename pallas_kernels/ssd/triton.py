@@ -104,8 +104,13 @@ def _chunk_state_kernel(
         bias = None if dt_bias_ref is None else dt_bias_ref[h]
         dt = process_dt(dt.astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
         dt = jnp.where(live, dt, 0.0)
-        dA = dt * A_ref[h]
-        cum = jnp.cumsum(dA)
+        cum = jnp.cumsum(dt * A_ref[h])
+        # NOTE: the chunk total is cum at the chunk's last row, copied to the masked rows
+        # after it. A parallel scan rounds cum[bcs - 1] differently from cum[length - 1]
+        # even though only zeros lie between; with large |A dt| that rounding, through
+        # exp(cum_last - cum_j), would scale the last token's contribution.
+        cum_last = jnp.sum(jnp.where(rows == length - 1, cum, 0.0))
+        cum = jnp.where(live, cum, cum_last)
         dt_out_ref[h, c, :] = dt
         cum_ref[h, c, :] = cum
 
@@ -121,9 +126,6 @@ def _chunk_state_kernel(
             mask=live[:, None] & n_live[None, :],
             other=0.0,
         )
-        # NOTE: the chunk total must be cum's own last entry, not a separate sum(dA): with
-        # large |A dt| two roundings of the same total differ by far more than exp tolerates.
-        cum_last = jnp.sum(jnp.where(rows == bcs - 1, cum, 0.0))
         weight = jnp.exp(jnp.minimum(cum_last - cum, 0.0)) * dt  # decay to the chunk end
         B_weighted = (B.astype(jnp.float32) * weight[:, None]).astype(x.dtype)
         state_ref[c, h, :, :] = dot(x, B_weighted, trans_a=True)  # [bp, bn]
@@ -294,6 +296,125 @@ def _chunk_scan_kernel(
 # ------------------------------------------------------------------------------- wrapper
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    """Static sizes shared by the three launches."""
+
+    num_tokens: int
+    heads: int
+    head_dim: int
+    groups: int
+    state_dim: int
+    num_seqs: int
+    max_chunks: int
+    chunk_size: int
+
+    @property
+    def block_chunk(self) -> int:  # rows of a chunk, padded to a power of two
+        return block_dim(self.chunk_size, MIN_DOT_DIM)
+
+    @property
+    def block_p(self) -> int:
+        return block_dim(self.head_dim, MIN_DOT_DIM)
+
+    @property
+    def block_n(self) -> int:
+        return block_dim(self.state_dim, MIN_DOT_DIM)
+
+
+def chunk_state(s: _Shapes, cu, x, dt, A, B, dt_bias, *, dt_softplus, dt_limit, blocks, interpret):
+    """Stage 1: ``(dt'[H, max_chunks, bcs], cum[H, max_chunks, bcs],
+    chunk_states[max_chunks, H, bp, bn])``, all fp32."""
+    f32 = jnp.float32
+    bcs = s.block_chunk
+    return pl.pallas_call(
+        functools.partial(
+            _chunk_state_kernel,
+            heads_per_group=s.heads // s.groups,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            head_dim=s.head_dim,
+            state_dim=s.state_dim,
+        ),
+        grid=(s.max_chunks, s.heads),
+        out_shape=(
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
+            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), f32),
+        ),
+        compiler_params=_compiler_params(blocks, num_stages=1),
+        interpret=interpret,
+        name=f"ssd_chunk_state_cs{s.chunk_size}",
+    )(cu, x, dt, A, B, dt_bias)
+
+
+def state_passing(
+    s: _Shapes,
+    metadata: ChunkMetadata,
+    cum,
+    chunk_states,
+    initial_states,
+    *,
+    intermediate: bool,
+    state_dtype,
+    blocks,
+    interpret,
+):
+    """Stage 2: ``(carried[max_chunks, H, bp, bn] fp32, states)``, ``carried`` being the
+    state entering each chunk and ``states`` the final ``[B, H, P, N]`` or, with
+    ``intermediate``, the after-each-chunk ``[max_chunks, H, P, N]`` states."""
+    # Each sequence's chunk range; seq_idx is non-decreasing over the real chunks.
+    seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
+    first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
+    last = metadata.last_chunk_indices
+    num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
+    out_rows = s.max_chunks if intermediate else s.num_seqs
+    states_shape = jax.ShapeDtypeStruct((out_rows, s.heads, s.head_dim, s.state_dim), state_dtype)
+    zeros = jnp.zeros(states_shape.shape, state_dtype) if intermediate else None
+    args = (first_chunk.astype(jnp.int32), num_seq_chunks, cum, chunk_states, initial_states, zeros)
+    # Intermediate states start as zeros so padding chunks read 0 (None args take no slot).
+    zeros_index = sum(a is not None for a in args[:-1])
+    return pl.pallas_call(
+        functools.partial(
+            _state_passing_kernel,
+            intermediate=intermediate,
+            head_dim=s.head_dim,
+            state_dim=s.state_dim,
+        ),
+        grid=(s.num_seqs, s.heads),
+        out_shape=(
+            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), jnp.float32),
+            states_shape,
+        ),
+        input_output_aliases={zeros_index: 1} if intermediate else {},
+        compiler_params=_compiler_params(blocks, num_stages=1),
+        interpret=interpret,
+        name=f"ssd_state_passing_intermediate{int(intermediate)}",
+    )(*args)
+
+
+def chunk_scan(s: _Shapes, cu, x, C, B, dt_chunks, cum, carried, D, z, *, blocks, interpret):
+    """Stage 3: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed."""
+    bcs = s.block_chunk
+    block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
+    tail_programs = pl.cdiv(s.num_tokens, bcs)
+    return pl.pallas_call(
+        functools.partial(
+            _chunk_scan_kernel,
+            heads_per_group=s.heads // s.groups,
+            block_m=block_m,
+            block_k=block_k,
+            head_dim=s.head_dim,
+            state_dim=s.state_dim,
+        ),
+        grid=(s.max_chunks + tail_programs, s.heads, bcs // block_m),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=_compiler_params(blocks),
+        interpret=interpret,
+        name=f"ssd_chunk_scan_cs{s.chunk_size}_bm{block_m}_bk{block_k}",
+    )(cu, x, C, B, dt_chunks, cum, carried, D, z)
+
+
 def ssd_scan(
     x: jax.Array,
     dt: jax.Array,
@@ -317,77 +438,47 @@ def ssd_scan(
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated."""
     T, H, P = x.shape
     G, N = B.shape[1:]
-    num_seqs = metadata.last_chunk_indices.shape[0]
-    max_chunks = metadata.max_chunks
-    bcs = block_dim(chunk_size, MIN_DOT_DIM)
-    bp, bn = block_dim(P, MIN_DOT_DIM), block_dim(N, MIN_DOT_DIM)
+    s = _Shapes(
+        num_tokens=T,
+        heads=H,
+        head_dim=P,
+        groups=G,
+        state_dim=N,
+        num_seqs=metadata.last_chunk_indices.shape[0],
+        max_chunks=metadata.max_chunks,
+        chunk_size=chunk_size,
+    )
     blocks = block_sizes or default_block_sizes(chunk_size, P, N)
-    block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
     f32 = jnp.float32
     cu = metadata.cu_chunk_seqlens
-    A = A.astype(f32)
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
-    statics = dict(head_dim=P, state_dim=N)
 
-    dt_chunks, cum, chunk_states = pl.pallas_call(
-        functools.partial(
-            _chunk_state_kernel,
-            heads_per_group=H // G,
-            dt_softplus=dt_softplus,
-            dt_limit=dt_limit,
-            **statics,
-        ),
-        grid=(max_chunks, H),
-        out_shape=(
-            jax.ShapeDtypeStruct((H, max_chunks, bcs), f32),
-            jax.ShapeDtypeStruct((H, max_chunks, bcs), f32),
-            jax.ShapeDtypeStruct((max_chunks, H, bp, bn), f32),
-        ),
-        compiler_params=_compiler_params(blocks, num_stages=1),
+    dt_chunks, cum, chunk_states = chunk_state(
+        s,
+        cu,
+        x,
+        dt,
+        A.astype(f32),
+        B,
+        dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        blocks=blocks,
         interpret=interpret,
-        name=f"ssd_chunk_state_cs{chunk_size}",
-    )(cu, x, dt, A, B, dt_bias)
-
-    # Each sequence's chunk range; seq_idx is non-decreasing over the real chunks.
-    seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, num_seqs)
-    first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(num_seqs), side="left")
-    last = metadata.last_chunk_indices
-    num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
-    out_rows = max_chunks if return_intermediate_states else num_seqs
-    states_shape = jax.ShapeDtypeStruct((out_rows, H, P, N), state_dtype)
-    zeros = jnp.zeros(states_shape.shape, state_dtype) if return_intermediate_states else None
-    passing_args = (
-        first_chunk.astype(jnp.int32),
-        num_seq_chunks,
+    )
+    carried, states = state_passing(
+        s,
+        metadata,
         cum,
         chunk_states,
         initial_states,
-        zeros,
+        intermediate=return_intermediate_states,
+        state_dtype=state_dtype,
+        blocks=blocks,
+        interpret=interpret,
     )
-    # Intermediate states start as zeros so padding chunks read 0 (None args take no slot).
-    zeros_index = sum(a is not None for a in passing_args[:-1])
-    carried, states = pl.pallas_call(
-        functools.partial(
-            _state_passing_kernel, intermediate=return_intermediate_states, **statics
-        ),
-        grid=(num_seqs, H),
-        out_shape=(jax.ShapeDtypeStruct((max_chunks, H, bp, bn), f32), states_shape),
-        input_output_aliases={zeros_index: 1} if return_intermediate_states else {},
-        compiler_params=_compiler_params(blocks, num_stages=1),
-        interpret=interpret,
-        name=f"ssd_state_passing_intermediate{int(return_intermediate_states)}",
-    )(*passing_args)
-
-    tail_programs = pl.cdiv(T, bcs)
-    y = pl.pallas_call(
-        functools.partial(
-            _chunk_scan_kernel, heads_per_group=H // G, block_m=block_m, block_k=block_k, **statics
-        ),
-        grid=(max_chunks + tail_programs, H, bcs // block_m),
-        out_shape=jax.ShapeDtypeStruct((T, H, P), x.dtype),
-        compiler_params=_compiler_params(blocks),
-        interpret=interpret,
-        name=f"ssd_chunk_scan_cs{chunk_size}_bm{block_m}_bk{block_k}",
-    )(cu, x, C, B, dt_chunks, cum, carried, D, z)
+    y = chunk_scan(
+        s, cu, x, C, B, dt_chunks, cum, carried, D, z, blocks=blocks, interpret=interpret
+    )
     return y, states
