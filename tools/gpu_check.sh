@@ -20,7 +20,9 @@ python=${PYTHON:-python3}
   $python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
 } 2>&1 | tee "$out/env.txt"
 
-$python -m pytest -q -p no:cacheprovider -x --durations=15 "$@" 2>&1 | tee "$out/tests.log"
+# pytest-timeout is on the GPU image: a hung test fails alone instead of eating the lease.
+$python -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 "$@" 2>&1 \
+  | tee "$out/tests.log"
 status=${PIPESTATUS[0]}
 
 $python -m flax_models.demo 2>&1 | tee "$out/demo.log"

@@ -390,7 +390,8 @@ def test_gpu_real_sizes(groups, chunk_size, dtype):
     assert_close(y, y_xla, rtol=rtol, name="y vs xla")
     assert_close(states, states_xla, rtol=rtol, name="states vs xla")
     assert np.all(np.asarray(y[int(p.qsl[-1]):]) == 0)
-    _check_sequences_against_oracle(p, y, states, [0, len(lengths) - 1], options, rtol)
+    shortest = int(np.argmin(lengths[:-1]))
+    _check_sequences_against_oracle(p, y, states, [shortest, len(lengths) - 1], options, rtol)
 
 
 @pytest.mark.gpu
@@ -406,9 +407,9 @@ def test_gpu_65k_tokens(num_seqs):
         y_xla, states_xla = run(p, "xla", **options)
     assert_close(y, y_xla, rtol=BF16_TOL, name="y vs xla")
     assert_close(states, states_xla, rtol=BF16_TOL, name="states vs xla")
-    shortest = int(np.argmin(lengths))
-    _check_sequences_against_oracle(p, y, states, sorted({shortest, num_seqs - 1}), options,
-                                    BF16_TOL)
+    # The oracle costs ~2 ms per token at these sizes: check the sequences under 1.5k.
+    short = [b for b in np.argsort(lengths)[:3] if lengths[b] <= 1500]
+    _check_sequences_against_oracle(p, y, states, short, options, BF16_TOL)
 
 
 @pytest.mark.gpu
