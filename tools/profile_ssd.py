@@ -63,12 +63,16 @@ def main() -> None:
         s, md, cum, cs, None, intermediate=False, state_dtype=jnp.float32, blocks=blocks,
         interpret=False))
     carried, _ = stage2(cum, chunk_states)
-    stage3 = jax.jit(lambda x, C, B, d, c, carried: ssd_triton.chunk_scan(
-        s, cu, x, C, B, d, c, carried, Dp, None, blocks=blocks, interpret=False))
+    stage3a = jax.jit(lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks,
+                                                        interpret=False))
+    cb = stage3a(C, B)
+    stage3b = jax.jit(lambda x, C, cb, d, c, carried: ssd_triton.chunk_scan(
+        s, cu, x, C, cb, d, c, carried, Dp, None, blocks=blocks, interpret=False))
     print(f"{p.name}: T={T} chunks={int(md.num_chunks)} default {blocks}")
     for name, fn in (("chunk_state", lambda: stage1(x, dt, B)),
                      ("state_passing", lambda: stage2(cum, chunk_states)),
-                     ("chunk_scan", lambda: stage3(x, C, B, dt_chunks, cum, carried))):
+                     ("chunk_cb", lambda: stage3a(C, B)),
+                     ("chunk_scan", lambda: stage3b(x, C, cb, dt_chunks, cum, carried))):
         print(f"  {name:<14}{harness.time_fn(fn).median_ms:8.3f} ms")
 
     for candidate in CANDIDATES:

@@ -10,7 +10,8 @@ varlen layout of ``pallas_kernels.metadata``, in three launches:
    starting from ``initial_states``, ``s ← exp(cum_last) s + chunk_state``; records the
    state entering every chunk, and the final (or every intermediate) state. It runs along
    sequences, never over a flat chunk list that crosses them.
-3. ``chunk_scan`` (grid: chunk × head × row block): for each row block of a chunk,
+3. ``chunk_cb`` (grid: chunk × group × row block): ``C_c B_cᵀ`` once per group, not
+   once per head; ``chunk_scan`` (grid: chunk × head × row block): for each row block,
    ``y = exp(cum_i) C_i · s_in + Σ_{j ≤ i} (C_i · B_j) exp(cum_i − cum_j) dt'_j x_j`` over
    the causal column blocks only, then the D skip and the z gate. Extra programs past the
    chunks zero the bucket rows that no sequence owns.
@@ -180,14 +181,53 @@ def _state_passing_kernel(
         )
 
 
-# ---------------------------------------------------------------------------- 3. chunk scan
+# ------------------------------------------------------------------------------ 3a. C·Bᵀ
+
+
+def _chunk_cb_kernel(
+    cu_ref,  # [max_chunks + 1] int32
+    C_ref,  # [T, G, N]
+    B_ref,  # [T, G, N]
+    cb_ref,  # [max_chunks, G, bcs, bcs], C's dtype
+    *,
+    state_dim: int,
+    block_m: int,
+):
+    """One row block of ``C_c B_cᵀ`` per program. Shared by the ``H / G`` heads of a group,
+    so the chunk scan reads it instead of recomputing it once per head."""
+    c, g, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start = cu_ref[c]
+    length = cu_ref[c + 1] - start
+    row0 = m * block_m
+    bcs = cb_ref.shape[2]
+    bn = block_dim(state_dim, MIN_DOT_DIM)
+
+    @pl.when(row0 < length)
+    def _():
+        n_live = jnp.arange(bn) < state_dim
+        live_i = row0 + jnp.arange(block_m) < length
+        live_j = jnp.arange(bcs) < length
+        C_i = plgpu.load(
+            C_ref.at[pl.ds(start + row0, block_m), g, pl.ds(0, bn)],
+            mask=live_i[:, None] & n_live[None, :],
+            other=0.0,
+        )
+        B = plgpu.load(
+            B_ref.at[pl.ds(start, bcs), g, pl.ds(0, bn)],
+            mask=live_j[:, None] & n_live[None, :],
+            other=0.0,
+        )
+        cb_ref[c, g, pl.ds(row0, block_m), :] = dot(C_i, B, trans_b=True).astype(cb_ref.dtype)
+
+
+# --------------------------------------------------------------------------- 3b. chunk scan
 
 
 def _chunk_scan_kernel(
     cu_ref,  # [max_chunks + 1] int32
     x_ref,  # [T, H, P]
     C_ref,  # [T, G, N]
-    B_ref,  # [T, G, N]
+    cb_ref,  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
     dt_ref,  # [H, max_chunks, bcs] fp32: dt'
     cum_ref,  # [H, max_chunks, bcs] fp32
     carried_ref,  # [max_chunks, H, bp, bn] fp32
@@ -238,11 +278,6 @@ def _chunk_scan_kernel(
                 col0 = k * block_k
                 rows_j = col0 + jnp.arange(block_k)
                 live_j = rows_j < length
-                B_j = plgpu.load(
-                    B_ref.at[pl.ds(start + col0, block_k), g, pl.ds(0, bn)],
-                    mask=live_j[:, None] & n_live[None, :],
-                    other=0.0,
-                )
                 x_j = plgpu.load(
                     x_ref.at[pl.ds(start + col0, block_k), h, pl.ds(0, bp)],
                     mask=live_j[:, None] & p_live[None, :],
@@ -250,7 +285,7 @@ def _chunk_scan_kernel(
                 )
                 cum_j = cum_ref[h, c, pl.ds(col0, block_k)]
                 dt_j = dt_ref[h, c, pl.ds(col0, block_k)]
-                cb = dot(C_i, B_j, trans_b=True)  # [block_m, block_k]
+                cb = cb_ref[c, g, pl.ds(row0, block_m), pl.ds(col0, block_k)].astype(jnp.float32)
                 decay = jnp.exp(jnp.minimum(cum_i[:, None] - cum_j[None, :], 0.0))
                 causal = rows_i[:, None] >= rows_j[None, :]
                 weights = jnp.where(causal, cb * decay * dt_j[None, :], 0.0)
@@ -393,8 +428,22 @@ def state_passing(
     )(*args)
 
 
-def chunk_scan(s: _Shapes, cu, x, C, B, dt_chunks, cum, carried, D, z, *, blocks, interpret):
-    """Stage 3: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed."""
+def chunk_cb(s: _Shapes, cu, C, B, *, blocks, interpret):
+    """Stage 3a: ``cb[max_chunks, G, bcs, bcs] = C_c B_cᵀ`` in C's dtype."""
+    bcs = s.block_chunk
+    block_m = min(blocks.block_m, bcs)
+    return pl.pallas_call(
+        functools.partial(_chunk_cb_kernel, state_dim=s.state_dim, block_m=block_m),
+        grid=(s.max_chunks, s.groups, bcs // block_m),
+        out_shape=jax.ShapeDtypeStruct((s.max_chunks, s.groups, bcs, bcs), C.dtype),
+        compiler_params=_compiler_params(blocks, num_stages=1),
+        interpret=interpret,
+        name=f"ssd_chunk_cb_cs{s.chunk_size}_bm{block_m}",
+    )(cu, C, B)
+
+
+def chunk_scan(s: _Shapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, blocks, interpret):
+    """Stage 3b: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed."""
     bcs = s.block_chunk
     block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
     tail_programs = pl.cdiv(s.num_tokens, bcs)
@@ -412,7 +461,7 @@ def chunk_scan(s: _Shapes, cu, x, C, B, dt_chunks, cum, carried, D, z, *, blocks
         compiler_params=_compiler_params(blocks),
         interpret=interpret,
         name=f"ssd_chunk_scan_cs{s.chunk_size}_bm{block_m}_bk{block_k}",
-    )(cu, x, C, B, dt_chunks, cum, carried, D, z)
+    )(cu, x, C, cb, dt_chunks, cum, carried, D, z)
 
 
 def ssd_scan(
@@ -478,7 +527,8 @@ def ssd_scan(
         blocks=blocks,
         interpret=interpret,
     )
+    cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
     y = chunk_scan(
-        s, cu, x, C, B, dt_chunks, cum, carried, D, z, blocks=blocks, interpret=interpret
+        s, cu, x, C, cb, dt_chunks, cum, carried, D, z, blocks=blocks, interpret=interpret
     )
     return y, states

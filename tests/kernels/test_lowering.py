@@ -54,7 +54,7 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
         spec((H, head_dim), jnp.float32), spec((T, H, head_dim), dtype),
         spec((H,), jnp.float32), spec((num_seqs, H, head_dim, state_dim), jnp.float32),
         spec((num_seqs + 1,), jnp.int32), spec((num_seqs,), jnp.int32))
-    for name in ("ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan"):
+    for name in ("ssd_chunk_state", "ssd_state_passing", "ssd_chunk_cb", "ssd_chunk_scan"):
         assert name in text
 
 
