@@ -645,7 +645,9 @@ def kv_lens_from_mask_oracle(mask: ArrayLike) -> np.ndarray:
     if m.dtype == np.bool_ or np.issubdtype(m.dtype, np.integer):
         unmasked = m != 0
     else:
-        unmasked = _f64(m) > -1e4
+        # The threshold is rounded to the mask's dtype, as the library compares: -1e4 is
+        # -9984 in bfloat16 and must still mask.
+        unmasked = m > np.asarray(-1e4, dtype=m.dtype)
     lens = np.zeros(m.shape[0], dtype=np.int64)
     for b in range(m.shape[0]):
         for j in range(m.shape[1] - 1, -1, -1):

@@ -1,0 +1,181 @@
+"""``gated_rms_norm`` against the float64 oracle, for every implementation in the registry
+(Pallas kernels in interpret mode off-GPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.norm import api
+from pallas_kernels.testing import assert_close, gated_rms_norm_oracle, tolerance_for
+from tests.helpers import implementations, normal
+
+IMPLS = implementations(api.IMPLEMENTATIONS)
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+# (T, Dm, group_size): one group, several groups, group_size == Dm, small groups, size 1.
+SHAPES = {
+    "one_group": (6, 16, 16),
+    "four_groups": (6, 16, 4),
+    "three_groups": (5, 24, 8),
+    "group_size_1": (4, 12, 1),
+    "wide_group": (3, 64, 32),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def as_f32(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def make_inputs(rng, T, Dm, *, dtype=jnp.float32, gated=True, x_scale=1.0):
+    x = normal(rng, (T, Dm), dtype, scale=x_scale)
+    z = normal(rng, (T, Dm), dtype, scale=2.0) if gated else None
+    weight = jnp.asarray(1.0 + 0.3 * rng.normal(size=Dm), jnp.float32).astype(dtype)
+    return x, z, weight
+
+
+def check_norm(x, z, weight, y, *, rtol=None, **options) -> None:
+    ref = gated_rms_norm_oracle(
+        as_f32(x), None if z is None else as_f32(z), as_f32(weight), **options
+    )
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert np.all(np.isfinite(as_f32(y)))
+    assert_close(as_f32(y), ref, rtol=rtol or tolerance_for(x.dtype), name="y")
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["z", "no_z"])
+@pytest.mark.parametrize("norm_before_gate", [False, True], ids=["gate_first", "norm_first"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_oracle(impl, shape, norm_before_gate, gated, dtype):
+    T, Dm, group_size = SHAPES[shape]
+    x, z, weight = make_inputs(np.random.default_rng(0), T, Dm, dtype=dtype, gated=gated)
+    y = api.gated_rms_norm(
+        x, z, weight, group_size=group_size, norm_before_gate=norm_before_gate, implementation=impl
+    )
+    check_norm(x, z, weight, y, group_size=group_size, norm_before_gate=norm_before_gate)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gate_order_matters(impl):
+    """norm_before_gate=True and False differ (the flag is not ignored), each matching
+    its own oracle."""
+    x, z, weight = make_inputs(np.random.default_rng(1), 6, 16)
+    outs = [
+        api.gated_rms_norm(x, z, weight, group_size=4, norm_before_gate=f, implementation=impl)
+        for f in (False, True)
+    ]
+    assert not np.allclose(as_f32(outs[0]), as_f32(outs[1]), rtol=1e-2)
+    for flag, y in zip((False, True), outs, strict=True):
+        check_norm(x, z, weight, y, group_size=4, norm_before_gate=flag)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-5, 0.5])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_eps_inside_the_square_root(impl, eps):
+    """Small inputs (mean square ~1e-4) make eps = 0.5 dominate the denominator."""
+    x, z, weight = make_inputs(np.random.default_rng(2), 5, 16, x_scale=1e-2)
+    y = api.gated_rms_norm(x, z, weight, group_size=8, eps=eps, implementation=impl)
+    check_norm(x, z, weight, y, group_size=8, eps=eps)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_statistics_in_fp32(impl, dtype):
+    """Inputs ~1e3: their squares (~1e6) overflow float16, so the mean square must be
+    accumulated in fp32."""
+    x, z, weight = make_inputs(np.random.default_rng(3), 4, 32, dtype=dtype, x_scale=1e3)
+    for norm_before_gate in (False, True):
+        y = api.gated_rms_norm(
+            x, z, weight, group_size=16, norm_before_gate=norm_before_gate, implementation=impl
+        )
+        check_norm(x, z, weight, y, group_size=16, norm_before_gate=norm_before_gate)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_groups_are_independent(impl):
+    """Scaling one group of x leaves every other group's output unchanged (and this one's
+    too, RMSNorm being scale invariant up to eps)."""
+    x, z, weight = make_inputs(np.random.default_rng(4), 3, 16, gated=False)
+    norm = functools.partial(api.gated_rms_norm, group_size=4, eps=0.0, implementation=impl)
+    base = as_f32(norm(x, None, weight))
+    scaled = as_f32(norm(x.at[:, 4:8].multiply(100.0), None, weight))
+    np.testing.assert_array_equal(scaled[:, :4], base[:, :4])
+    np.testing.assert_array_equal(scaled[:, 8:], base[:, 8:])
+    np.testing.assert_allclose(scaled[:, 4:8], base[:, 4:8], rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic_and_jittable(impl):
+    x, z, weight = make_inputs(np.random.default_rng(5), 7, 24, dtype=jnp.bfloat16)
+    norm = functools.partial(api.gated_rms_norm, group_size=8, implementation=impl)
+    first, second = norm(x, z, weight), norm(x, z, weight)
+    assert np.asarray(first).tobytes() == np.asarray(second).tobytes()
+    y = jax.jit(norm)(x, z, weight)
+    check_norm(x, z, weight, y, group_size=8)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_runs_the_named_implementation(impl):
+    x, z, weight = make_inputs(np.random.default_rng(6), 4, 16)
+    fn = functools.partial(api.gated_rms_norm, group_size=8, implementation=impl)
+    jaxpr = str(jax.make_jaxpr(fn)(x, z, weight))
+    assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_argument_errors_name_the_argument(impl):
+    x, z, weight = make_inputs(np.random.default_rng(7), 4, 16)
+    norm = functools.partial(api.gated_rms_norm, implementation=impl)
+    for group_size in (5, 3, 32, 0, -4):
+        with pytest.raises(ValueError, match="group_size"):
+            norm(x, z, weight, group_size=group_size)
+    with pytest.raises(ValueError, match="weight"):
+        norm(x, z, weight[:8], group_size=4)
+    with pytest.raises(ValueError, match="weight"):
+        norm(x, z, weight[None], group_size=4)
+    with pytest.raises(ValueError, match="z"):
+        norm(x, z[:, :8], weight, group_size=4)
+    with pytest.raises(ValueError, match="x must"):
+        norm(x[None], None, weight, group_size=4)
+    with pytest.raises(ValueError, match="eps"):
+        norm(x, z, weight, group_size=4, eps=-1e-5)
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize("Dm, group_size", [(8192, 1024), (4096, 4096), (5120, 640)])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_real_size(impl, Dm, group_size, norm_before_gate):
+    rng = np.random.default_rng(8)
+    x, z, weight = make_inputs(rng, 8192, Dm, dtype=jnp.bfloat16)
+    y = api.gated_rms_norm(
+        x, z, weight, group_size=group_size, norm_before_gate=norm_before_gate, implementation=impl
+    )
+    assert np.all(np.isfinite(as_f32(y)))
+    rows = np.unique(np.concatenate([[0, 8191], rng.choice(8192, 126, replace=False)]))
+    check_norm(
+        x[rows],
+        z[rows],
+        weight,
+        y[rows],
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+    )
