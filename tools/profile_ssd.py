@@ -21,12 +21,8 @@ from pallas_kernels.ssd import triton as ssd_triton
 
 CANDIDATES = [
     dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
-    dict(block_m=128, block_k=64, num_warps=4, num_stages=2),
-    dict(block_m=128, block_k=64, num_warps=8, num_stages=2),
-    dict(block_m=128, block_k=128, num_warps=8, num_stages=2),
-    dict(block_m=256, block_k=64, num_warps=8, num_stages=2),
     dict(block_m=64, block_k=32, num_warps=4, num_stages=3),
+    dict(block_m=128, block_k=64, num_warps=4, num_stages=2),
 ]
 
 
@@ -45,42 +41,96 @@ def main() -> None:
     A = -jnp.exp(jax.random.uniform(next(keys), (H,), minval=-1, maxval=1))
     D, dt_bias = jnp.ones((H,)), jnp.full((H,), -2.0)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(p.lengths)]), jnp.int32)
-    md = chunk_metadata(qsl, jnp.zeros(len(p.lengths), jnp.int32), chunk_size=p.chunk_size,
-                        max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size))
-    s = ssd_triton._Shapes(num_tokens=T, heads=H, head_dim=P, groups=G, state_dim=N,
-                           num_seqs=len(p.lengths), max_chunks=md.max_chunks,
-                           chunk_size=p.chunk_size)
+    md = chunk_metadata(
+        qsl,
+        jnp.zeros(len(p.lengths), jnp.int32),
+        chunk_size=p.chunk_size,
+        max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size),
+    )
+    s = ssd_triton._Shapes(
+        num_tokens=T,
+        heads=H,
+        head_dim=P,
+        groups=G,
+        state_dim=N,
+        num_seqs=len(p.lengths),
+        max_chunks=md.max_chunks,
+        chunk_size=p.chunk_size,
+    )
     blocks = ssd_triton.default_block_sizes(p.chunk_size, P, N)
     cu = md.cu_chunk_seqlens
     Dp = jnp.broadcast_to(D[:, None], (H, P))
     harness.spin_up()
 
-    stage1 = jax.jit(lambda x, dt, B: ssd_triton.chunk_state(
-        s, cu, x, dt, A, B, dt_bias, dt_softplus=True, dt_limit=(0.0, math.inf),
-        blocks=blocks, interpret=False))
+    stage1 = jax.jit(
+        lambda x, dt, B: ssd_triton.chunk_state(
+            s,
+            cu,
+            x,
+            dt,
+            A,
+            B,
+            dt_bias,
+            dt_softplus=True,
+            dt_limit=(0.0, math.inf),
+            blocks=blocks,
+            interpret=False,
+        )
+    )
     dt_chunks, cum, chunk_states = stage1(x, dt, B)
-    stage2 = jax.jit(lambda cum, cs: ssd_triton.state_passing(
-        s, md, cum, cs, None, intermediate=False, state_dtype=jnp.float32, blocks=blocks,
-        interpret=False))
+    stage2 = jax.jit(
+        lambda cum, cs: ssd_triton.state_passing(
+            s,
+            md,
+            cum,
+            cs,
+            None,
+            intermediate=False,
+            state_dtype=jnp.float32,
+            carried_dtype=C.dtype,
+            blocks=blocks,
+            interpret=False,
+        )
+    )
     carried, _ = stage2(cum, chunk_states)
-    stage3a = jax.jit(lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks,
-                                                        interpret=False))
+    stage3a = jax.jit(lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False))
     cb = stage3a(C, B)
-    stage3b = jax.jit(lambda x, C, cb, d, c, carried: ssd_triton.chunk_scan(
-        s, cu, x, C, cb, d, c, carried, Dp, None, blocks=blocks, interpret=False))
+    stage3b = jax.jit(
+        lambda x, C, cb, d, c, carried: ssd_triton.chunk_scan(
+            s, cu, x, C, cb, d, c, carried, Dp, None, blocks=blocks, interpret=False
+        )
+    )
     print(f"{p.name}: T={T} chunks={int(md.num_chunks)} default {blocks}")
-    for name, fn in (("chunk_state", lambda: stage1(x, dt, B)),
-                     ("state_passing", lambda: stage2(cum, chunk_states)),
-                     ("chunk_cb", lambda: stage3a(C, B)),
-                     ("chunk_scan", lambda: stage3b(x, C, cb, dt_chunks, cum, carried))):
+    for name, fn in (
+        ("chunk_state", lambda: stage1(x, dt, B)),
+        ("state_passing", lambda: stage2(cum, chunk_states)),
+        ("chunk_cb", lambda: stage3a(C, B)),
+        ("chunk_scan", lambda: stage3b(x, C, cb, dt_chunks, cum, carried)),
+    ):
         print(f"  {name:<14}{harness.time_fn(fn).median_ms:8.3f} ms")
 
     for candidate in CANDIDATES:
         cand = ssd_triton.BlockSizes(**candidate)
-        fn = jax.jit(lambda x, dt, B, C, cand=cand: ssd_triton.ssd_scan(
-            x, dt, A, B, C, metadata=md, chunk_size=p.chunk_size, D=D, z=None,
-            dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None,
-            return_intermediate_states=False, state_dtype=jnp.float32, block_sizes=cand))
+        fn = jax.jit(
+            lambda x, dt, B, C, cand=cand: ssd_triton.ssd_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                metadata=md,
+                chunk_size=p.chunk_size,
+                D=D,
+                z=None,
+                dt_bias=dt_bias,
+                dt_softplus=True,
+                dt_limit=(0.0, math.inf),
+                initial_states=None,
+                return_intermediate_states=False,
+                state_dtype=jnp.float32,
+                block_sizes=cand,
+            )
+        )
         try:
             t = harness.time_fn(lambda fn=fn: fn(x, dt, B, C)).median_ms
             print(f"  total {candidate}: {t:.3f} ms")

@@ -11,7 +11,7 @@ varlen layout of ``pallas_kernels.metadata``, in three launches:
    state entering every chunk, and the final (or every intermediate) state. It runs along
    sequences, never over a flat chunk list that crosses them.
 3. ``chunk_cb`` (grid: chunk × group × row block): ``C_c B_cᵀ`` once per group, not
-   once per head; ``chunk_scan`` (grid: chunk × head × row block): for each row block,
+   once per head; ``chunk_scan`` (grid: row block × head × chunk): for each row block,
    ``y = exp(cum_i) C_i · s_in + Σ_{j ≤ i} (C_i · B_j) exp(cum_i − cum_j) dt'_j x_j`` over
    the causal column blocks only, then the D skip and the z gate. Extra programs past the
    chunks zero the bucket rows that no sequence owns.
@@ -142,7 +142,7 @@ def _state_passing_kernel(
     state_ref,  # [max_chunks, H, bp, bn] fp32
     initial_ref,  # [B, H, P, N] or None
     zeros_ref,  # intermediate states' initial zeros (aliased to out_ref) or None
-    carried_ref,  # [max_chunks, H, bp, bn] fp32: state entering each chunk
+    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype: state entering each chunk
     out_ref,  # [B, H, P, N] final, or [max_chunks, H, P, N] after each chunk
     *,
     head_dim: int,
@@ -165,7 +165,9 @@ def _state_passing_kernel(
 
     def step(i, state):
         c = first + i
-        carried_ref[c, h, :, :] = state
+        # Stored in the dtype the chunk scan's tensor-core dot takes it in (rounding
+        # here instead of after a fp32 round trip: the same values, half the bytes).
+        carried_ref[c, h, :, :] = state.astype(carried_ref.dtype)
         chunk_total = jnp.sum(jnp.where(last_row, cum_ref[h, c, :], 0.0))
         state = jnp.exp(jnp.minimum(chunk_total, 0.0)) * state + state_ref[c, h, :, :]
         if intermediate:
@@ -230,7 +232,7 @@ def _chunk_scan_kernel(
     cb_ref,  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
     dt_ref,  # [H, max_chunks, bcs] fp32: dt'
     cum_ref,  # [H, max_chunks, bcs] fp32
-    carried_ref,  # [max_chunks, H, bp, bn] fp32
+    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype
     D_ref,  # [H, P] fp32 or None
     z_ref,  # [T, H, P] or None
     y_ref,  # [T, H, P]
@@ -241,7 +243,9 @@ def _chunk_scan_kernel(
     block_m: int,
     block_k: int,
 ):
-    c, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # Grid axis 0 varies fastest: the row blocks of one (chunk, head) run side by side and
+    # share its carried state and x in L2 instead of re-reading them from memory.
+    m, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g = h // heads_per_group
     max_chunks = cu_ref.shape[0] - 1
     bp, bn = carried_ref.shape[2:]
@@ -270,7 +274,7 @@ def _chunk_scan_kernel(
                 mask=live_i[:, None] & p_live[None, :],
                 other=0.0,
             )
-            carried = carried_ref[c, h, :, :].astype(C_i.dtype)  # [bp, bn]
+            carried = carried_ref[c, h, :, :]  # [bp, bn]
             # Off-diagonal part: the state entering the chunk, decayed to each row.
             acc = dot(C_i, carried, trans_b=True) * jnp.exp(jnp.minimum(cum_i, 0.0))[:, None]
 
@@ -392,10 +396,11 @@ def state_passing(
     *,
     intermediate: bool,
     state_dtype,
+    carried_dtype,
     blocks,
     interpret,
 ):
-    """Stage 2: ``(carried[max_chunks, H, bp, bn] fp32, states)``, ``carried`` being the
+    """Stage 2: ``(carried[max_chunks, H, bp, bn], states)``, ``carried`` being the
     state entering each chunk and ``states`` the final ``[B, H, P, N]`` or, with
     ``intermediate``, the after-each-chunk ``[max_chunks, H, P, N]`` states."""
     # Each sequence's chunk range; seq_idx is non-decreasing over the real chunks.
@@ -418,7 +423,7 @@ def state_passing(
         ),
         grid=(s.num_seqs, s.heads),
         out_shape=(
-            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), jnp.float32),
+            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), carried_dtype),
             states_shape,
         ),
         input_output_aliases={zeros_index: 1} if intermediate else {},
@@ -456,7 +461,7 @@ def chunk_scan(s: _Shapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, block
             head_dim=s.head_dim,
             state_dim=s.state_dim,
         ),
-        grid=(s.max_chunks + tail_programs, s.heads, bcs // block_m),
+        grid=(bcs // block_m, s.heads, s.max_chunks + tail_programs),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=_compiler_params(blocks),
         interpret=interpret,
@@ -524,6 +529,7 @@ def ssd_scan(
         initial_states,
         intermediate=return_intermediate_states,
         state_dtype=state_dtype,
+        carried_dtype=C.dtype,
         blocks=blocks,
         interpret=interpret,
     )
