@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,3 +39,25 @@ def poison_tail(cache: np.ndarray, slot_ids, lengths) -> np.ndarray:
             named[slot] = True
     cache[~named] = np.nan
     return cache
+
+
+_H100 = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132
+)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """StableHLO text of ``fn(*args)`` lowered for CUDA (``args`` are ShapeDtypeStructs).
+
+    Runs on any machine, no GPU needed: it catches unsupported primitives and Triton's shape
+    rules, which interpret mode does not enforce. ptxas does not run, so shared-memory
+    overflow and spills show only on the GPU.
+    """
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def spec(shape, dtype=jnp.bfloat16) -> jax.ShapeDtypeStruct:
+    """Abstract argument for :func:`lower_for_cuda`."""
+    return jax.ShapeDtypeStruct(shape, dtype)

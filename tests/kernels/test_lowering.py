@@ -9,51 +9,62 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.state_update import triton as state_update_triton
-
-_H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                    num_cores=132)
-
-
-def lower_for_cuda(fn, *args) -> str:
-    """StableHLO text of ``fn(*args)`` lowered for CUDA; ``args`` are ShapeDtypeStructs."""
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def spec(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
+from tests.helpers import lower_for_cuda, spec
 
 
 @pytest.mark.parametrize(
     ("head_dim", "state_dim", "chunk_size", "intermediate", "dtype"),
-    [(64, 128, 256, False, jnp.bfloat16), (80, 256, 128, True, jnp.float32),
-     (4, 8, 8, False, jnp.float32)],
+    [
+        (64, 128, 256, False, jnp.bfloat16),
+        (80, 256, 128, True, jnp.float32),
+        (4, 8, 8, False, jnp.float32),
+    ],
 )
 def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
     T, H, G, num_seqs = 512, 8, 2, 3
 
     def fn(x, dt, A, B, C, D, z, dt_bias, init, qsl, computed):
-        md = chunk_metadata(qsl, computed, chunk_size=chunk_size,
-                            max_chunks=max_chunks_for(T, num_seqs, chunk_size))
+        md = chunk_metadata(
+            qsl, computed, chunk_size=chunk_size, max_chunks=max_chunks_for(T, num_seqs, chunk_size)
+        )
         return ssd_triton.ssd_scan(
-            x, dt, A, B, C, metadata=md, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
-            dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=init,
-            return_intermediate_states=intermediate, state_dtype=jnp.float32)
+            x,
+            dt,
+            A,
+            B,
+            C,
+            metadata=md,
+            chunk_size=chunk_size,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            dt_limit=(0.0, math.inf),
+            initial_states=init,
+            return_intermediate_states=intermediate,
+            state_dtype=jnp.float32,
+        )
 
     text = lower_for_cuda(
-        fn, spec((T, H, head_dim), dtype), spec((T, H), dtype), spec((H,), jnp.float32),
-        spec((T, G, state_dim), dtype), spec((T, G, state_dim), dtype),
-        spec((H, head_dim), jnp.float32), spec((T, H, head_dim), dtype),
-        spec((H,), jnp.float32), spec((num_seqs, H, head_dim, state_dim), jnp.float32),
-        spec((num_seqs + 1,), jnp.int32), spec((num_seqs,), jnp.int32))
+        fn,
+        spec((T, H, head_dim), dtype),
+        spec((T, H), dtype),
+        spec((H,), jnp.float32),
+        spec((T, G, state_dim), dtype),
+        spec((T, G, state_dim), dtype),
+        spec((H, head_dim), jnp.float32),
+        spec((T, H, head_dim), dtype),
+        spec((H,), jnp.float32),
+        spec((num_seqs, H, head_dim, state_dim), jnp.float32),
+        spec((num_seqs + 1,), jnp.int32),
+        spec((num_seqs,), jnp.int32),
+    )
     for name in ("ssd_chunk_state", "ssd_state_passing", "ssd_chunk_cb", "ssd_chunk_scan"):
         assert name in text
 
@@ -64,10 +75,28 @@ def test_state_update_lowers(cache_dtype):
 
     def fn(cache, x, dt, A, B, C, slots):
         return state_update_triton.selective_state_update(
-            cache, x, dt, A, B, C, slot_ids=slots, D=None, z=x, dt_bias=None,
-            dt_softplus=True, dt_limit=(0.0, math.inf))
+            cache,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            slot_ids=slots,
+            D=None,
+            z=x,
+            dt_bias=None,
+            dt_softplus=True,
+            dt_limit=(0.0, math.inf),
+        )
 
     text = lower_for_cuda(
-        fn, spec((S, H, P, N), cache_dtype), spec((R, H, P)), spec((R, H)),
-        spec((H,), jnp.float32), spec((R, G, N)), spec((R, G, N)), spec((R,), jnp.int32))
+        fn,
+        spec((S, H, P, N), cache_dtype),
+        spec((R, H, P)),
+        spec((R, H)),
+        spec((H,), jnp.float32),
+        spec((R, G, N)),
+        spec((R, G, N)),
+        spec((R,), jnp.int32),
+    )
     assert "selective_state_update" in text
