@@ -33,3 +33,9 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
+
+
+def static_index(i: int) -> jax.Array:
+    """A static ref index as a scalar array (``ref.at[static_index(k)]``): interpret mode
+    cannot discharge plain Python ints in a ref indexer (jax 0.11.2)."""
+    return jnp.int32(i)

@@ -10,12 +10,18 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Implementation, dispatch
-from pallas_kernels.conv1d import reference
+from pallas_kernels.conv1d import reference, triton
 
 Activation = Literal["silu"] | None
 
-PREFILL_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.causal_conv1d}
-UPDATE_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.causal_conv1d_update}
+PREFILL_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": reference.causal_conv1d,
+    "triton": triton.causal_conv1d,
+}
+UPDATE_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": reference.causal_conv1d_update,
+    "triton": triton.causal_conv1d_update,
+}
 
 
 def _check_weights(weight: jax.Array, bias: jax.Array | None, dim: int) -> int:

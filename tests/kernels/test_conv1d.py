@@ -18,13 +18,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels.conv1d import api
+from pallas_kernels.conv1d import triton as conv_triton
 from pallas_kernels.testing import (
     assert_close,
     causal_conv1d_oracle,
     causal_conv1d_update_oracle,
     tolerance_for,
 )
-from tests.helpers import implementations, normal, query_start_loc
+from tests.helpers import implementations, lower_for_cuda, normal, query_start_loc, spec
 
 PREFILL = implementations(api.PREFILL_IMPLEMENTATIONS)
 UPDATE = implementations(api.UPDATE_IMPLEMENTATIONS)
@@ -669,3 +670,46 @@ def test_update_real_size(impl, steps):
     assert np.all(as_f32(y)[slot_ids < 0] == 0)
     assert_close(as_f32(y), y_ref, rtol=tolerance_for(jnp.bfloat16), name="y")
     check_cache(new_cache, cache, cache_ref, written={int(s) for s in slot_ids if s >= 0})
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("dim", [64, 2064])
+def test_triton_kernels_lower_for_cuda(width, dim):
+    """The Triton kernels lower for CUDA (interpret mode does not enforce Triton's rules)."""
+    T, B, S = 256, 3, 4
+
+    def prefill(x, w, b, qsl, cache, slots, has_state):
+        return conv_triton.causal_conv1d(
+            x,
+            w,
+            b,
+            query_start_loc=qsl,
+            conv_state_cache=cache,
+            slot_ids=slots,
+            has_initial_state=has_state,
+            activation="silu",
+        )
+
+    text = lower_for_cuda(
+        prefill,
+        spec((T, dim)),
+        spec((dim, width)),
+        spec((dim,)),
+        spec((B + 1,), jnp.int32),
+        spec((S, width - 1, dim)),
+        spec((B,), jnp.int32),
+        spec((B,), jnp.bool_),
+    )
+    assert "causal_conv1d_k" in text
+
+    def update(x, cache, w, slots):
+        return conv_triton.causal_conv1d_update(x, cache, w, None, slot_ids=slots, activation=None)
+
+    text = lower_for_cuda(
+        update,
+        spec((B, 3, dim)),
+        spec((S, width - 1, dim), jnp.float32),
+        spec((dim, width)),
+        spec((B,), jnp.int32),
+    )
+    assert "causal_conv1d_update_k" in text
