@@ -9,9 +9,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Implementation, dispatch
-from pallas_kernels.norm import reference
+from pallas_kernels.norm import reference, triton
 
-IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.gated_rms_norm}
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": reference.gated_rms_norm,
+    "triton": triton.gated_rms_norm,
+}
 
 
 def gated_rms_norm(

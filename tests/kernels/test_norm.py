@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.norm import api
+from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.testing import assert_close, gated_rms_norm_oracle, tolerance_for
-from tests.helpers import implementations, normal
+from tests.helpers import implementations, lower_for_cuda, normal, spec
 
 IMPLS = implementations(api.IMPLEMENTATIONS)
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -179,3 +180,17 @@ def test_real_size(impl, Dm, group_size, norm_before_gate):
         group_size=group_size,
         norm_before_gate=norm_before_gate,
     )
+
+
+@pytest.mark.parametrize(("dim", "group_size"), [(8192, 1024), (2064, 258), (8192, 8192)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_triton_kernel_lowers_for_cuda(dim, group_size, gated):
+    """The Triton kernel lowers for CUDA (interpret mode does not enforce Triton's rules)."""
+
+    def fn(x, z, w):
+        return norm_triton.gated_rms_norm(
+            x, z if gated else None, w, group_size=group_size, eps=1e-5, norm_before_gate=False
+        )
+
+    text = lower_for_cuda(fn, spec((64, dim)), spec((64, dim)), spec((dim,)))
+    assert "gated_rms_norm_gs" in text
