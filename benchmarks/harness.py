@@ -13,13 +13,27 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.backend import resolve
+
+
+def runnable(registry: Mapping[str, Any]) -> list[str]:
+    """The implementations of an op's registry that run on this machine (sorted)."""
+    names = []
+    for name in sorted(registry):
+        try:
+            resolve(name, op="benchmark", available=registry)
+        except ValueError:
+            continue
+        names.append(name)
+    return names
 
 
 @dataclasses.dataclass(frozen=True)

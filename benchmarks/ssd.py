@@ -17,7 +17,6 @@ import numpy as np
 
 from benchmarks import harness
 from pallas_kernels import chunk_metadata, max_chunks_for, selective_state_update, ssd_scan
-from pallas_kernels.backend import resolve
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.state_update import api as state_update_api
 
@@ -67,17 +66,6 @@ def decode_problems(quick: bool) -> list[DecodeProblem]:
     return [DecodeProblem(f"decode-{rows}", rows) for rows in (1, 64, 256)]
 
 
-def runnable(registry) -> list[str]:
-    names = []
-    for name in sorted(registry):
-        try:
-            resolve(name, op="benchmark", available=registry)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
-
-
 def prefill_cost(p: PrefillProblem, cu_chunk_seqlens: np.ndarray) -> tuple[float, float]:
     """(FLOPs, bytes): per chunk of length l, C·Bᵀ and the masked block product (2 l² (GN +
     HP)), chunk state and carried-state output (4 l H P N); bytes read once, written once."""
@@ -114,7 +102,7 @@ def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
     n = int(md.num_chunks)
     flops, bytes_moved = prefill_cost(p, np.asarray(md.cu_chunk_seqlens)[: n + 1])
     rows = []
-    for impl in runnable(ssd_api.IMPLEMENTATIONS):
+    for impl in harness.runnable(ssd_api.IMPLEMENTATIONS):
         fn = jax.jit(
             lambda x, dt, B, C, md, impl=impl: ssd_scan(
                 x,
@@ -162,7 +150,7 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
     bytes_moved = state_bytes + R * (2 * H * P + 2 * G * N + H) * 2
     flops = 6 * R * H * P * N
     rows = []
-    for impl in runnable(state_update_api.IMPLEMENTATIONS):
+    for impl in harness.runnable(state_update_api.IMPLEMENTATIONS):
         fn = jax.jit(
             lambda cache, x, impl=impl: selective_state_update(
                 cache,

@@ -1,0 +1,202 @@
+"""Causal conv1d (prefill and decode) and gated RMSNorm benchmarks (memory-bound ops).
+
+``python -m benchmarks.conv1d [--out results.json] [--quick]``. Bamba-9B shapes (conv dim
+8448 = d_inner 8192 + 2·N 128, width 4; norm over d_inner 8192); ``--quick`` shrinks them
+for a CPU smoke run. Each row reports achieved bytes/s against the copy bandwidth measured
+in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+from pallas_kernels import causal_conv1d, causal_conv1d_update, gated_rms_norm
+from pallas_kernels.conv1d import api as conv_api
+from pallas_kernels.norm import api as norm_api
+
+BF16 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    name: str
+    lengths: tuple[int, ...]
+    dim: int = 8448
+    width: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateProblem:
+    name: str
+    rows: int
+    dim: int = 8448
+    width: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class NormProblem:
+    name: str
+    rows: int
+    dim: int = 8192
+    group_size: int = 8192
+
+
+def problems(quick: bool):
+    rng = np.random.default_rng(0)
+    if quick:
+        return (
+            [ConvProblem("tiny-conv", (40, 1, 23), dim=64)],
+            [UpdateProblem("tiny-update-4", 4, dim=64)],
+            [NormProblem("tiny-norm", 64, dim=256, group_size=128)],
+        )
+    short = tuple(int(n) for n in rng.integers(1, 701, size=64))
+    return (
+        [ConvProblem("bamba-conv", (4096,) * 8), ConvProblem("bamba-conv-short", short)],
+        [UpdateProblem(f"conv-update-{rows}", rows) for rows in (1, 64, 256)],
+        [
+            NormProblem("gated-norm-32k", 32768),
+            NormProblem("gated-norm-32k-g8", 32768, group_size=1024),
+        ],
+    )
+
+
+def _normal(rng, shape, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+
+def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
+    rng = np.random.default_rng(1)
+    T, B = sum(p.lengths), len(p.lengths)
+    x, w, bias = _normal(rng, (T, p.dim)), _normal(rng, (p.dim, p.width)), _normal(rng, (p.dim,))
+    cache = _normal(rng, (2 * B, p.width - 1, p.dim))
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(p.lengths)]), jnp.int32)
+    slots = jnp.asarray(rng.permutation(2 * B)[:B], jnp.int32)
+    has_state = jnp.asarray(rng.random(B) < 0.5)
+    state_bytes = 2 * B * (p.width - 1) * p.dim * BF16
+    bytes_moved = 2 * T * p.dim * BF16 + state_bytes
+    flops = 2 * T * p.dim * p.width
+    rows = []
+    for impl in harness.runnable(conv_api.PREFILL_IMPLEMENTATIONS):
+        fn = jax.jit(
+            lambda x, cache, impl=impl: causal_conv1d(
+                x,
+                w,
+                bias,
+                query_start_loc=qsl,
+                conv_state_cache=cache,
+                slot_ids=slots,
+                has_initial_state=has_state,
+                implementation=impl,
+            )
+        )
+        timing = harness.time_fn(lambda fn=fn: fn(x, cache))
+        rows.append(
+            harness.row(
+                p.name,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=ceilings,
+                tokens=T,
+                sequences=B,
+            )
+        )
+    return rows
+
+
+def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
+    rng = np.random.default_rng(2)
+    R = p.rows
+    x, w, bias = _normal(rng, (R, p.dim)), _normal(rng, (p.dim, p.width)), _normal(rng, (p.dim,))
+    slots = jnp.asarray(rng.permutation(2 * R)[:R], jnp.int32)
+    bytes_moved = 2 * R * p.dim * BF16 + 2 * R * (p.width - 1) * p.dim * BF16
+    flops = 2 * R * p.dim * p.width
+    rows = []
+    for impl in harness.runnable(conv_api.UPDATE_IMPLEMENTATIONS):
+        fn = jax.jit(
+            lambda x, cache, impl=impl: causal_conv1d_update(
+                x, cache, w, bias, slot_ids=slots, implementation=impl
+            ),
+            donate_argnums=1,
+        )
+        # A fresh cache per implementation: each call donates the one before.
+        state = {"cache": _normal(rng, (2 * R, p.width - 1, p.dim))}
+
+        def step(fn=fn, state=state):
+            y, state["cache"] = fn(x, state["cache"])
+            return y
+
+        timing = harness.time_fn(step)
+        rows.append(
+            harness.row(
+                p.name,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=ceilings,
+                rows=R,
+            )
+        )
+    return rows
+
+
+def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
+    rng = np.random.default_rng(3)
+    x, z, w = _normal(rng, (p.rows, p.dim)), _normal(rng, (p.rows, p.dim)), _normal(rng, (p.dim,))
+    bytes_moved = 3 * p.rows * p.dim * BF16
+    flops = 8 * p.rows * p.dim
+    rows = []
+    for impl in harness.runnable(norm_api.IMPLEMENTATIONS):
+        fn = jax.jit(
+            lambda x, z, impl=impl: gated_rms_norm(
+                x, z, w, group_size=p.group_size, implementation=impl
+            )
+        )
+        timing = harness.time_fn(lambda fn=fn: fn(x, z))
+        rows.append(
+            harness.row(
+                p.name,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=ceilings,
+                rows=p.rows,
+                group_size=p.group_size,
+            )
+        )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description="conv1d and gated norm benchmarks")
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    args = parser.parse_args(argv)
+    ceilings = harness.measure_ceilings(quick=args.quick)
+    conv, update, norm = problems(args.quick)
+    rows = []
+    for p in conv:
+        rows += bench_conv(p, ceilings)
+    for p in update:
+        rows += bench_update(p, ceilings)
+    for p in norm:
+        rows += bench_norm(p, ceilings)
+    harness.add_speedups(rows)
+    harness.report(
+        "causal_conv1d / causal_conv1d_update / gated_rms_norm", rows, ceilings, args.out
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
