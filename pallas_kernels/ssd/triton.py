@@ -6,10 +6,10 @@ varlen layout of ``pallas_kernels.metadata``, in three launches:
 1. ``chunk_state`` (grid: chunk × head): dt processing (bias, softplus, clamp; zero past
    the chunk's end), the within-chunk cumulative decay ``cum = cumsum(dt' A)``, and the
    chunk's own state from a zero start, ``Σ_j exp(cum_last − cum_j) dt'_j x_j ⊗ B_j``.
-2. ``state_passing`` (grid: sequence × head): walks each sequence's chunks in order,
-   starting from ``initial_states``, ``s ← exp(cum_last) s + chunk_state``; records the
-   state entering every chunk, and the final (or every intermediate) state. It runs along
-   sequences, never over a flat chunk list that crosses them.
+2. ``state_passing`` (grid: sequence × head × head-dim block): walks each sequence's
+   chunks in order, starting from ``initial_states``, ``s ← exp(cum_last) s + chunk_state``;
+   records the state entering every chunk, and the final (or every intermediate) state. It
+   runs along sequences, never over a flat chunk list that crosses them.
 3. ``chunk_cb`` (grid: chunk × group × row block): ``C_c B_cᵀ`` once per group, not
    once per head; ``chunk_scan`` (grid: row block × head × chunk): for each row block,
    ``y = exp(cum_i) C_i · s_in + Σ_{j ≤ i} (C_i · B_j) exp(cum_i − cum_j) dt'_j x_j`` over
@@ -35,6 +35,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import process_dt, silu
 from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, dot
 from pallas_kernels.metadata import ChunkMetadata
+
+# Head-dim rows per state-passing program (16 KiB fp32 tiles at N = 128).
+_STATE_PASSING_BLOCK_P = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,18 +151,23 @@ def _state_passing_kernel(
     head_dim: int,
     state_dim: int,
     intermediate: bool,
+    block_p: int,
 ):
     del zeros_ref  # only supplies out_ref's initial contents
-    b, h = pl.program_id(0), pl.program_id(1)
-    bp, bn = state_ref.shape[2:]
+    # One program per (sequence, head, head-dim block): the walk along a sequence is
+    # sequential and latency-bound, so more independent walks keep more loads in flight.
+    b, h, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bn = state_ref.shape[3]
     bcs = cum_ref.shape[2]
-    mask = (jnp.arange(bp) < head_dim)[:, None] & (jnp.arange(bn) < state_dim)[None, :]
+    p0 = pb * block_p
+    rows = pl.ds(p0, block_p)
+    mask = (p0 + jnp.arange(block_p) < head_dim)[:, None] & (jnp.arange(bn) < state_dim)[None, :]
     if initial_ref is None:
-        state = jnp.zeros((bp, bn), jnp.float32)
+        state = jnp.zeros((block_p, bn), jnp.float32)
     else:
-        state = plgpu.load(
-            initial_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)], mask=mask, other=0.0
-        ).astype(jnp.float32)
+        state = plgpu.load(initial_ref.at[b, h, rows, pl.ds(0, bn)], mask=mask, other=0.0).astype(
+            jnp.float32
+        )
     first = first_chunk_ref[b]
     last_row = jnp.arange(bcs) == bcs - 1
 
@@ -167,20 +175,18 @@ def _state_passing_kernel(
         c = first + i
         # Stored in the dtype the chunk scan's tensor-core dot takes it in (rounding
         # here instead of after a fp32 round trip: the same values, half the bytes).
-        carried_ref[c, h, :, :] = state.astype(carried_ref.dtype)
+        carried_ref[c, h, rows, :] = state.astype(carried_ref.dtype)
         chunk_total = jnp.sum(jnp.where(last_row, cum_ref[h, c, :], 0.0))
-        state = jnp.exp(jnp.minimum(chunk_total, 0.0)) * state + state_ref[c, h, :, :]
+        state = jnp.exp(jnp.minimum(chunk_total, 0.0)) * state + state_ref[c, h, rows, :]
         if intermediate:
             plgpu.store(
-                out_ref.at[c, h, pl.ds(0, bp), pl.ds(0, bn)], state.astype(out_ref.dtype), mask=mask
+                out_ref.at[c, h, rows, pl.ds(0, bn)], state.astype(out_ref.dtype), mask=mask
             )
         return state
 
     state = jax.lax.fori_loop(0, num_seq_chunks_ref[b], step, state)
     if not intermediate:
-        plgpu.store(
-            out_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)], state.astype(out_ref.dtype), mask=mask
-        )
+        plgpu.store(out_ref.at[b, h, rows, pl.ds(0, bn)], state.astype(out_ref.dtype), mask=mask)
 
 
 # ------------------------------------------------------------------------------ 3a. C·Bᵀ
@@ -414,14 +420,16 @@ def state_passing(
     args = (first_chunk.astype(jnp.int32), num_seq_chunks, cum, chunk_states, initial_states, zeros)
     # Intermediate states start as zeros so padding chunks read 0 (None args take no slot).
     zeros_index = sum(a is not None for a in args[:-1])
+    block_p = min(s.block_p, _STATE_PASSING_BLOCK_P)
     return pl.pallas_call(
         functools.partial(
             _state_passing_kernel,
             intermediate=intermediate,
             head_dim=s.head_dim,
             state_dim=s.state_dim,
+            block_p=block_p,
         ),
-        grid=(s.num_seqs, s.heads),
+        grid=(s.num_seqs, s.heads, s.block_p // block_p),
         out_shape=(
             jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), carried_dtype),
             states_shape,
