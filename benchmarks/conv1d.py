@@ -121,20 +121,12 @@ def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
     flops = 2 * R * p.dim * p.width
     rows = []
     for impl in harness.runnable(conv_api.UPDATE_IMPLEMENTATIONS):
-        fn = jax.jit(
-            lambda x, cache, impl=impl: causal_conv1d_update(
+        timing = harness.time_cache_update(
+            lambda cache, impl=impl: causal_conv1d_update(
                 x, cache, w, bias, slot_ids=slots, implementation=impl
             ),
-            donate_argnums=1,
+            lambda: _normal(rng, (2 * R, p.width - 1, p.dim)),
         )
-        # A fresh cache per implementation: each call donates the one before.
-        state = {"cache": _normal(rng, (2 * R, p.width - 1, p.dim))}
-
-        def step(fn=fn, state=state):
-            y, state["cache"] = fn(x, state["cache"])
-            return y
-
-        timing = harness.time_fn(step)
         rows.append(
             harness.row(
                 p.name,

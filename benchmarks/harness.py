@@ -63,6 +63,22 @@ def time_fn(
     return Timing(statistics.median(times), min(times), max(times))
 
 
+def time_cache_update(
+    update: Callable[[Any], tuple[Any, Any]], make_cache: Callable[[], Any], **kwargs: Any
+) -> Timing:
+    """Times ``update(cache) -> (out, new_cache)`` jitted with the cache donated: each call
+    feeds the cache the one before returned, as a serving step does. ``make_cache`` gives a
+    fresh cache (a donated one cannot be reused)."""
+    step = jax.jit(update, donate_argnums=0)
+    state = {"cache": make_cache()}
+
+    def call():
+        out, state["cache"] = step(state["cache"])
+        return out
+
+    return time_fn(call, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
     """Measured in this run: device-to-device copy (bytes read + written) and bf16 matmul."""

@@ -151,8 +151,8 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
     flops = 6 * R * H * P * N
     rows = []
     for impl in harness.runnable(state_update_api.IMPLEMENTATIONS):
-        fn = jax.jit(
-            lambda cache, x, impl=impl: selective_state_update(
+        timing = harness.time_cache_update(
+            lambda cache, impl=impl: selective_state_update(
                 cache,
                 x,
                 dt,
@@ -165,16 +165,8 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
                 dt_softplus=True,
                 implementation=impl,
             ),
-            donate_argnums=0,
+            lambda: normal(2 * R, H, P, N, dtype=jnp.float32),
         )
-        # A fresh cache per implementation: each call donates the one before.
-        state = {"cache": normal(2 * R, H, P, N, dtype=jnp.float32)}
-
-        def step(fn=fn, state=state):
-            y, state["cache"] = fn(state["cache"], x)
-            return y
-
-        timing = harness.time_fn(step)
         rows.append(
             harness.row(
                 p.name,
