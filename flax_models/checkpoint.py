@@ -1,0 +1,173 @@
+"""Hugging Face checkpoints → ``HybridLM``: the whole name mapping lives in this file.
+
+``load_hf_checkpoint(directory)`` reads ``config.json`` and one or several
+``*.safetensors`` (with ``model.safetensors.index.json``), renames every tensor to its
+module path, transforms it (PyTorch ``[out, in]`` linears → ``[in, out]`` kernels, conv
+weights ``[C, 1, K]`` → ``[C, K]``, Granite's fused gate|up split in two), checks its shape
+against the abstract model, and raises one ``ValueError`` listing every missing,
+unexpected or mis-shaped tensor. Tied embeddings need no ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file
+
+from flax_models.config import HybridConfig
+from flax_models.model import HybridLM
+
+# 1) Family prefixes: HF name prefix → module path prefix. First match wins.
+_LAYER = r"^(?:backbone|model)\.layers\.(\d+)\."
+_RENAMES: dict[str, list[tuple[str, str]]] = {
+    "mamba2": [
+        (r"^backbone\.embeddings\.", "embed."),
+        (r"^backbone\.norm_f\.", "final_norm."),
+        (_LAYER + r"norm\.", r"layers.\1.norm."),
+        (_LAYER + r"mixer\.", r"layers.\1.mixer."),
+    ],
+    "bamba": [
+        (r"^model\.embed_tokens\.", "embed."),
+        (r"^model\.final_layernorm\.", "final_norm."),
+        (_LAYER + r"input_layernorm\.", r"layers.\1.norm."),
+        (_LAYER + r"(?:mamba|self_attn)\.", r"layers.\1.mixer."),
+        (_LAYER + r"pre_ff_layernorm\.", r"layers.\1.mlp_norm."),
+        (_LAYER + r"feed_forward\.", r"layers.\1.mlp."),
+    ],
+    "granitemoehybrid": [
+        (r"^model\.embed_tokens\.", "embed."),
+        (r"^model\.norm\.", "final_norm."),
+        (_LAYER + r"input_layernorm\.", r"layers.\1.norm."),
+        (_LAYER + r"(?:mamba|self_attn)\.", r"layers.\1.mixer."),
+        (_LAYER + r"post_attention_layernorm\.", r"layers.\1.mlp_norm."),
+        (_LAYER + r"shared_mlp\.", r"layers.\1.mlp."),
+    ],
+}
+_RENAMES["nemotron_h"] = _RENAMES["mamba2"]
+_COMMON_RENAMES = [(r"^lm_head\.", "lm_head.")]
+
+
+def _linear(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
+def _conv(x: np.ndarray) -> np.ndarray:
+    return x[:, 0, :]
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+# 2) Parameter names: (suffix pattern, target suffix(es), transform). A transform that
+# returns a tuple fills one target per entry.
+_PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
+    (r"embed\.weight$", "embed.embedding", _same),
+    (r"(in_proj|out_proj|[qkvo]_proj)\.weight$", r"\1.kernel", _linear),
+    (r"(in_proj|out_proj|[qkvo]_proj)\.bias$", r"\1.bias", _same),
+    (r"(gate|up|down)_proj\.weight$", r"\1.kernel", _linear),
+    (r"(gate|up|down)_proj\.bias$", r"\1.bias", _same),
+    (
+        r"input_linear\.weight$",
+        ("gate.kernel", "up.kernel"),
+        lambda x: tuple(_linear(h) for h in np.split(x, 2, axis=0)),
+    ),
+    (r"output_linear\.weight$", "down.kernel", _linear),
+    (r"conv1d\.weight$", "conv_weight", _conv),
+    (r"conv1d\.bias$", "conv_bias", _same),
+    (r"mixer\.norm\.weight$", "mixer.norm_weight", _same),
+    (r"(A_log|D|dt_bias)$", r"\1", _same),
+    (r"norm\.weight$", "norm.weight", _same),
+    (r"lm_head\.weight$", "lm_head.kernel", _linear),
+]
+
+
+def hf_to_module_paths(
+    family: str, name: str, tensor: np.ndarray
+) -> list[tuple[str, np.ndarray]] | None:
+    """The module paths and values one HF tensor fills, or None when no rule matches."""
+    for pattern, prefix in _RENAMES[family] + _COMMON_RENAMES:
+        if re.match(pattern, name):
+            name = re.sub(pattern, prefix, name)
+            break
+    else:
+        return None
+    for pattern, target, transform in _PARAMS:
+        found = re.search(pattern, name)
+        if found is None:
+            continue
+        head = name[: found.start()]
+        values = transform(tensor)
+        if isinstance(target, tuple):
+            return [(head + t, v) for t, v in zip(target, values, strict=True)]
+        return [(head + found.expand(target), values)]
+    return None
+
+
+def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {directory}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        tensors.update(load_file(directory / name))
+    return tensors
+
+
+def load_hf_checkpoint(
+    directory: str | Path, *, dtype: jnp.dtype = jnp.float32, implementation: str = "auto"
+) -> HybridLM:
+    """Builds a ``HybridLM`` from a Hugging Face directory (config.json + safetensors).
+
+    Weights are cast to ``dtype`` except ``A_log``, ``D`` and ``dt_bias`` (fp32 always).
+    Raises ``ValueError`` naming every missing, unexpected or mis-shaped tensor (with
+    shapes), and ``NotImplementedError`` for unsupported families or MoE layers.
+    """
+    directory = Path(directory)
+    cfg = HybridConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    abstract = nnx.eval_shape(
+        lambda: HybridLM(cfg, dtype=dtype, implementation=implementation, rngs=nnx.Rngs(0))
+    )
+    graphdef, state = nnx.split(abstract)
+    expected = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+    filled: dict[str, np.ndarray] = {}
+    errors: list[str] = []
+    for name, tensor in sorted(_read_tensors(directory).items()):
+        targets = hf_to_module_paths(cfg.family, name, tensor)
+        if targets is None:
+            errors.append(f"unexpected tensor {name} {tensor.shape}")
+            continue
+        for path, value in targets:
+            if path not in expected:
+                errors.append(f"unexpected tensor {name} {tensor.shape} (as {path})")
+            elif value.shape != expected[path].shape:
+                errors.append(
+                    f"tensor {name} has shape {tensor.shape}; {path} needs {expected[path].shape}"
+                )
+            else:
+                filled[path] = value
+    errors += [
+        f"missing tensor for {path} {var.shape}"
+        for path, var in expected.items()
+        if path not in filled
+    ]
+    if errors:
+        raise ValueError(
+            f"checkpoint {directory} does not match {cfg.family} "
+            f"({len(errors)} problems):\n  " + "\n  ".join(errors)
+        )
+    flat = [
+        (path, var.replace(jnp.asarray(filled[".".join(map(str, path))], var.dtype)))
+        for path, var in nnx.to_flat_state(state)
+    ]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

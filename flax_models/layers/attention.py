@@ -1,0 +1,72 @@
+"""Grouped-query attention over the slot-indexed KV cache, with full, partial or no RoPE."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels as pk
+from flax_models.batch import ForwardBatch
+from flax_models.cache import AttentionCache
+from flax_models.config import HybridConfig
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotate-half RoPE on the first ``rotary_dim`` features of x[T, heads, D]."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """q/k/v projections → RoPE → write this step's K/V → masked-tail attention → o_proj."""
+
+    def __init__(self, cfg: HybridConfig, *, dtype: jnp.dtype, implementation: str, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.implementation = implementation
+        linear = dict(use_bias=cfg.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        D = cfg.head_dim
+        self.q_proj = nnx.Linear(cfg.hidden_size, cfg.num_heads * D, **linear)
+        self.k_proj = nnx.Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)
+        self.v_proj = nnx.Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)
+        self.o_proj = nnx.Linear(cfg.num_heads * D, cfg.hidden_size, **linear)
+
+    def __call__(
+        self, h: jax.Array, batch: ForwardBatch, cache: AttentionCache
+    ) -> tuple[jax.Array, AttentionCache]:
+        cfg, impl = self.cfg, self.implementation
+        T, D = h.shape[0], cfg.head_dim
+        q = self.q_proj(h).reshape(T, cfg.num_heads, D)
+        k = self.k_proj(h).reshape(T, cfg.num_kv_heads, D)
+        v = self.v_proj(h).reshape(T, cfg.num_kv_heads, D)
+        if cfg.rotary_dim:
+            q = apply_rope(q, batch.positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
+            k = apply_rope(k, batch.positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
+        k_cache, v_cache = pk.write_kv(
+            cache.k,
+            cache.v,
+            k,
+            v,
+            query_start_loc=batch.query_start_loc,
+            kv_lens=batch.kv_lens,
+            slot_ids=batch.slot_ids,
+            implementation=impl,
+        )
+        out = pk.masked_tail_attention(
+            q,
+            k_cache,
+            v_cache,
+            query_start_loc=batch.query_start_loc,
+            kv_lens=batch.kv_lens,
+            slot_ids=batch.slot_ids,
+            causal=True,
+            sm_scale=cfg.scale,
+            implementation=impl,
+        )
+        return self.o_proj(out.reshape(T, cfg.num_heads * D)), AttentionCache(k=k_cache, v=v_cache)
