@@ -1,9 +1,17 @@
 """``ForwardBatch``: the per-step description of a packed, variable-length batch.
 
-Built once per step (by the model for a plain forward, by the batch builder when serving)
-and shared by every layer. Tokens are packed ``[T, ...]``; sequence ``b`` owns rows
+Built once per step (by the model for a plain forward, by the engine when serving) and
+shared by every layer. Tokens are packed ``[T, ...]``; sequence ``b`` owns rows
 ``query_start_loc[b]:query_start_loc[b + 1]`` and continues ``num_computed_tokens[b]``
 tokens already in its cache slot ``slot_ids[b]`` (``-1``: padding).
+
+The first ``num_decode`` sequences are decode rows, one token each (rows ``0..num_decode``
+of the packed tokens); Mamba layers run them through the single-step update kernels and
+the remaining (prefill) sequences through the chunked scan. Example, ``num_decode = 2``::
+
+    query_start_loc      = [0, 1, 2, 7, 10]       two decode rows, prefills of 5 and 3
+    num_computed_tokens  = [40, 9, 0, 16]
+    prefill layout       : query_start_loc [0, 5, 8] (rows 2..10), computed [0, 16]
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ class ForwardBatch:
       positions: [T] absolute position of each packed token (0 for bucket padding).
       slot_ids: [B] cache slot per sequence, -1 for padding sequences.
       kv_lens: [B] keys per sequence after this step (num_computed + new tokens).
-      chunks: chunk-aligned layout for the SSD scan.
+      chunks: chunk-aligned layout of the prefill sequences for the SSD scan.
+      num_decode: static number of leading one-token decode sequences.
     """
 
     query_start_loc: jax.Array
@@ -36,11 +45,17 @@ class ForwardBatch:
     slot_ids: jax.Array
     kv_lens: jax.Array
     chunks: pk.ChunkMetadata
+    num_decode: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def has_initial_state(self) -> jax.Array:
         """bool[B]: the sequence continues cached conv/SSM state."""
         return (self.num_computed_tokens > 0) & (self.slot_ids >= 0)
+
+    @property
+    def prefill_query_start_loc(self) -> jax.Array:
+        """[B - num_decode + 1]: the prefill sequences' starts within rows num_decode.."""
+        return self.query_start_loc[self.num_decode :] - self.num_decode
 
 
 def make_forward_batch(
@@ -50,19 +65,29 @@ def make_forward_batch(
     *,
     num_tokens: int,
     chunk_size: int,
-    max_chunks: int | None = None,
+    num_decode: int = 0,
 ) -> ForwardBatch:
-    """Derives positions, kv_lens and the chunk layout (jittable, no host sync)."""
+    """Derives positions, kv_lens and the prefill chunk layout (jittable, no host sync)."""
     qsl = query_start_loc.astype(jnp.int32)
     computed = num_computed_tokens.astype(jnp.int32)
     num_seqs = computed.shape[0]
+    if not 0 <= num_decode <= min(num_seqs, num_tokens):
+        raise ValueError(f"{num_decode=} must be in [0, min(B={num_seqs}, T={num_tokens})]")
     token = jnp.arange(num_tokens)
     seq = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right"), num_seqs - 1)
     live = token < qsl[-1]
     positions = jnp.where(live, computed[seq] + token - qsl[seq], 0).astype(jnp.int32)
-    if max_chunks is None:
-        max_chunks = pk.max_chunks_for(num_tokens, num_seqs, chunk_size)
-    chunks = pk.chunk_metadata(qsl, computed, chunk_size=chunk_size, max_chunks=max_chunks)
+    prefill_tokens, prefill_seqs = num_tokens - num_decode, num_seqs - num_decode
+    chunks = (
+        pk.chunk_metadata(
+            qsl[num_decode:] - num_decode,
+            computed[num_decode:],
+            chunk_size=chunk_size,
+            max_chunks=pk.max_chunks_for(prefill_tokens, max(prefill_seqs, 1), chunk_size),
+        )
+        if prefill_seqs
+        else None
+    )
     return ForwardBatch(
         query_start_loc=qsl,
         num_computed_tokens=computed,
@@ -70,4 +95,5 @@ def make_forward_batch(
         slot_ids=slot_ids.astype(jnp.int32),
         kv_lens=computed + qsl[1:] - qsl[:-1],
         chunks=chunks,
+        num_decode=num_decode,
     )

@@ -289,8 +289,16 @@ def _granitemoehybrid(config: Mapping[str, Any]) -> HybridConfig:
 
 
 def _nemotron_h(config: Mapping[str, Any]) -> HybridConfig:
-    names = {"M": "M", "*": "*", "-": "-", "mamba": "M", "linear_attention": "M",
-             "attention": "*", "full_attention": "*", "mlp": "-"}
+    names = {
+        "M": "M",
+        "*": "*",
+        "-": "-",
+        "mamba": "M",
+        "linear_attention": "M",
+        "attention": "*",
+        "full_attention": "*",
+        "mlp": "-",
+    }
     kinds = config.get("layers_block_type") or list(config["hybrid_override_pattern"])
     if any(k in ("E", "moe") for k in kinds):
         raise NotImplementedError("Nemotron-H MoE layers ('E' / 'moe') are not supported")
@@ -298,11 +306,16 @@ def _nemotron_h(config: Mapping[str, Any]) -> HybridConfig:
     if activation != "relu2":
         raise NotImplementedError(f"Nemotron-H mlp_hidden_act={activation!r} is not supported")
     return HybridConfig(
-        family="nemotron_h", vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        layer_pattern=_pattern(kinds, names), norm_eps=config.get("layer_norm_epsilon", 1e-5),
+        family="nemotron_h",
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        layer_pattern=_pattern(kinds, names),
+        norm_eps=config.get("layer_norm_epsilon", 1e-5),
         tie_word_embeddings=False,  # Nemotron-H never ties: lm_head is always saved
-        mamba_num_heads=config["mamba_num_heads"], mamba_head_dim=config["mamba_head_dim"],
-        mamba_state_size=config["ssm_state_size"], mamba_groups=config.get("n_groups", 1),
+        mamba_num_heads=config["mamba_num_heads"],
+        mamba_head_dim=config["mamba_head_dim"],
+        mamba_state_size=config["ssm_state_size"],
+        mamba_groups=config.get("n_groups", 1),
         mamba_conv_kernel=config.get("conv_kernel", 4),
         mamba_chunk_size=config.get("chunk_size", 256),
         mamba_conv_bias=config.get("use_conv_bias", True),
@@ -310,7 +323,9 @@ def _nemotron_h(config: Mapping[str, Any]) -> HybridConfig:
         # Nemotron-H clamps dt to (time_step_min, inf); its time_step_limit is unused.
         time_step_limit=(_json_float(config.get("time_step_min", 0.0)), math.inf),
         **(_attention(config) | dict(attention_bias=False)),  # attention never has a bias
-        rope_theta=None, intermediate_size=config["intermediate_size"], mlp_activation="relu2",
+        rope_theta=None,
+        intermediate_size=config["intermediate_size"],
+        mlp_activation="relu2",
         mlp_bias=config.get("mlp_bias", False),
     )
 

@@ -39,70 +39,122 @@ class Mamba2Mixer(nnx.Module):
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
     ) -> tuple[jax.Array, MambaCache]:
-        cfg, impl = self.cfg, self.implementation
-        T = h.shape[0]
-        H, P, N, G = (
-            cfg.mamba_num_heads,
-            cfg.mamba_head_dim,
-            cfg.mamba_state_size,
-            cfg.mamba_groups,
-        )
+        cfg = self.cfg
         d_inner, conv_dim = cfg.mamba_d_inner, cfg.mamba_conv_dim
+        num_decode = batch.num_decode
 
         # 1) Parallel projection: z | xBC | dt.
         zxbcdt = self.in_proj(h)
         z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
 
-        # 2) Causal depthwise conv + SiLU over x, B, C, continuing each slot's conv state.
-        bias = None if self.conv_bias is None else self.conv_bias[...]
-        xbc, conv_state = pk.causal_conv1d(
-            xbc,
-            self.conv_weight[...],
-            bias,
-            query_start_loc=batch.query_start_loc,
-            conv_state_cache=cache.conv_state,
-            slot_ids=batch.slot_ids,
-            has_initial_state=batch.has_initial_state,
-            activation="silu",
-            implementation=impl,
-        )
-        x, B, C = jnp.split(xbc, [d_inner, d_inner + G * N], axis=-1)
-
-        # 3) Chunk-aligned SSD scan from each sequence's cached state.
-        slots = jnp.maximum(batch.slot_ids, 0)
-        initial = jnp.where(
-            batch.has_initial_state[:, None, None, None],
-            cache.ssm_state[slots].astype(jnp.float32),
-            0.0,
-        )
-        y, final = pk.ssd_scan(
-            x.reshape(T, H, P),
-            dt,
-            -jnp.exp(self.A_log[...].astype(jnp.float32)),
-            B.reshape(T, G, N),
-            C.reshape(T, G, N),
-            metadata=batch.chunks,
-            chunk_size=cfg.mamba_chunk_size,
-            D=self.D[...],
-            dt_bias=self.dt_bias[...],
-            dt_softplus=True,
-            dt_limit=cfg.time_step_limit,
-            initial_states=initial,
-            state_dtype=cache.ssm_state.dtype,
-            implementation=impl,
-        )
-        num_slots = cache.ssm_state.shape[0]
-        ssm_state = cache.ssm_state.at[
-            jnp.where(batch.slot_ids >= 0, batch.slot_ids, num_slots)
-        ].set(final, mode="drop")
+        # 2-3) Causal conv + SiLU and the SSM: decode rows one step each, prefill sequences
+        # chunked, both continuing from their slots' cached states.
+        ys = []
+        if num_decode:
+            y, cache = self._decode(
+                xbc[:num_decode], dt[:num_decode], batch.slot_ids[:num_decode], cache
+            )
+            ys.append(y)
+        if h.shape[0] > num_decode:
+            y, cache = self._prefill(xbc[num_decode:], dt[num_decode:], batch, cache)
+            ys.append(y)
+        y = jnp.concatenate(ys) if len(ys) > 1 else ys[0]
 
         # 4) Gated grouped RMSNorm (groups of d_inner / G), then the output projection.
         y = pk.gated_rms_norm(
-            y.reshape(T, d_inner),
+            y,
             z,
             self.norm_weight[...],
-            group_size=d_inner // G,
+            group_size=d_inner // cfg.mamba_groups,
             eps=cfg.norm_eps,
-            implementation=impl,
+            implementation=self.implementation,
         )
-        return self.out_proj(y), MambaCache(conv_state=conv_state, ssm_state=ssm_state)
+        return self.out_proj(y), cache
+
+    def _split_xbc(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """xBC[T, conv_dim] → x[T, H, P], B[T, G, N], C[T, G, N]."""
+        cfg = self.cfg
+        T, G, N = xbc.shape[0], cfg.mamba_groups, cfg.mamba_state_size
+        x, B, C = jnp.split(xbc, [cfg.mamba_d_inner, cfg.mamba_d_inner + G * N], axis=-1)
+        return (
+            x.reshape(T, cfg.mamba_num_heads, cfg.mamba_head_dim),
+            B.reshape(T, G, N),
+            C.reshape(T, G, N),
+        )
+
+    def _ssm_params(self) -> dict:
+        return dict(
+            D=self.D[...],
+            dt_bias=self.dt_bias[...],
+            dt_softplus=True,
+            dt_limit=self.cfg.time_step_limit,
+            implementation=self.implementation,
+        )
+
+    def _A(self) -> jax.Array:
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+    def _conv_bias(self) -> jax.Array | None:
+        return None if self.conv_bias is None else self.conv_bias[...]
+
+    def _decode(
+        self, xbc: jax.Array, dt: jax.Array, slot_ids: jax.Array, cache: MambaCache
+    ) -> tuple[jax.Array, MambaCache]:
+        """One token per row: conv update and selective state update, in place."""
+        xbc, conv_state = pk.causal_conv1d_update(
+            xbc,
+            cache.conv_state,
+            self.conv_weight[...],
+            self._conv_bias(),
+            slot_ids=slot_ids,
+            activation="silu",
+            implementation=self.implementation,
+        )
+        x, B, C = self._split_xbc(xbc)
+        y, ssm_state = pk.selective_state_update(
+            cache.ssm_state, x, dt, self._A(), B, C, slot_ids=slot_ids, **self._ssm_params()
+        )
+        return y.reshape(y.shape[0], -1), MambaCache(conv_state=conv_state, ssm_state=ssm_state)
+
+    def _prefill(
+        self, xbc: jax.Array, dt: jax.Array, batch: ForwardBatch, cache: MambaCache
+    ) -> tuple[jax.Array, MambaCache]:
+        """Packed prefill sequences: causal conv1d and the chunk-aligned SSD scan."""
+        cfg, nd = self.cfg, batch.num_decode
+        slot_ids = batch.slot_ids[nd:]
+        has_state = batch.has_initial_state[nd:]
+        xbc, conv_state = pk.causal_conv1d(
+            xbc,
+            self.conv_weight[...],
+            self._conv_bias(),
+            query_start_loc=batch.prefill_query_start_loc,
+            conv_state_cache=cache.conv_state,
+            slot_ids=slot_ids,
+            has_initial_state=has_state,
+            activation="silu",
+            implementation=self.implementation,
+        )
+        x, B, C = self._split_xbc(xbc)
+        initial = jnp.where(
+            has_state[:, None, None, None],
+            cache.ssm_state[jnp.maximum(slot_ids, 0)].astype(jnp.float32),
+            0.0,
+        )
+        y, final = pk.ssd_scan(
+            x,
+            dt,
+            self._A(),
+            B,
+            C,
+            metadata=batch.chunks,
+            chunk_size=cfg.mamba_chunk_size,
+            initial_states=initial,
+            state_dtype=cache.ssm_state.dtype,
+            **self._ssm_params(),
+        )
+        num_slots = cache.ssm_state.shape[0]
+        # Sequences without new tokens get their initial state back; padding writes nothing.
+        ssm_state = cache.ssm_state.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(
+            final, mode="drop"
+        )
+        return y.reshape(y.shape[0], -1), MambaCache(conv_state=conv_state, ssm_state=ssm_state)
