@@ -48,6 +48,7 @@ class StepArrays:
     slot_ids: np.ndarray  # int32[num_decode + prefill_seqs], -1 for padding
     num_decode: int  # the decode bucket
     num_requests: int  # decode and prefill requests, in order, before the padding
+    num_tokens: int  # real tokens (decode rows and prompt tokens), padding excluded
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -148,6 +149,7 @@ class BatchBuilder:
             slot_ids=np.asarray(slots, np.int32),
             num_decode=num_decode,
             num_requests=len(decode) + len(prefill),
+            num_tokens=len(decode) + len(prefill_tokens),
         )
 
     def request_rows(self, step: StepArrays, num_decode_requests: int) -> np.ndarray:
@@ -177,4 +179,5 @@ class BatchBuilder:
             slot_ids=np.full(rows, -1, np.int32),
             num_decode=num_decode,
             num_requests=0,
+            num_tokens=0,
         )

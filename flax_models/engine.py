@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -80,6 +81,10 @@ class Engine:
         self._graphdef, self._params = nnx.split(model)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.compile_count = 0
+        # Wall time and real tokens of steps with prompt tokens ("prefill") and without.
+        self.stats = dict.fromkeys(
+            ("prefill_seconds", "prefill_tokens", "decode_seconds", "decode_tokens"), 0
+        )
         self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1,))
 
     # ------------------------------------------------------------------------ one step
@@ -101,6 +106,7 @@ class Engine:
 
     def step(self, arrays: StepArrays) -> np.ndarray:
         """Runs one built step; returns the last-token logits of every sequence row."""
+        start = time.perf_counter()
         logits, self.caches = self._jitted(
             self._params,
             self.caches,
@@ -110,7 +116,12 @@ class Engine:
             arrays.slot_ids,
             num_decode=arrays.num_decode,
         )
-        return np.asarray(logits)
+        logits = np.asarray(logits)
+        if arrays.num_requests:  # warm-up steps are not traffic
+            kind = "prefill" if arrays.bucket[1] else "decode"
+            self.stats[f"{kind}_seconds"] += time.perf_counter() - start
+            self.stats[f"{kind}_tokens"] += arrays.num_tokens
+        return logits
 
     def warmup(self) -> int:
         """Compiles every bucket (all-padding steps change no cache); returns the count."""

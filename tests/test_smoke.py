@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+from benchmarks import attention as attention_benchmark
 from benchmarks import ssd as ssd_benchmark
 from flax_models import demo
 
 
 def test_demo_rows_are_accurate():
-    rows = demo.run("auto")
+    rows = demo.kernel_table("auto")
     assert {r["op"] for r in rows} == {
         "ssd_scan",
         "selective_state_update",
@@ -27,6 +28,19 @@ def test_ssd_benchmark_quick(tmp_path):
     rows = ssd_benchmark.main(["--quick", "--out", str(out)])
     payload = json.loads(out.read_text())
     assert payload["rows"] == json.loads(json.dumps(rows))
+    for r in rows:
+        assert r["median_ms"] > 0 and r["roofline_fraction"] > 0
+        assert r["speedup_vs_xla"] > 0
+
+
+def test_attention_benchmark_quick(tmp_path):
+    out = tmp_path / "attention.json"
+    rows = attention_benchmark.main(["--quick", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["rows"] == json.loads(json.dumps(rows))
+    problems = {p.name for p in attention_benchmark.problems(quick=True)}
+    assert {r["problem"] for r in rows} == problems
+    assert {r["implementation"] for r in rows} >= {"xla", "triton"}
     for r in rows:
         assert r["median_ms"] > 0 and r["roofline_fraction"] > 0
         assert r["speedup_vs_xla"] > 0
