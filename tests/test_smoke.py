@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from benchmarks import attention as attention_benchmark
+from benchmarks import conv1d as conv1d_benchmark
+from benchmarks import model as model_benchmark
 from benchmarks import ssd as ssd_benchmark
 from flax_models import demo
 
@@ -44,3 +46,20 @@ def test_attention_benchmark_quick(tmp_path):
     for r in rows:
         assert r["median_ms"] > 0 and r["roofline_fraction"] > 0
         assert r["speedup_vs_xla"] > 0
+
+
+def test_conv1d_benchmark_quick(tmp_path):
+    out = tmp_path / "conv1d.json"
+    rows = conv1d_benchmark.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert {r["implementation"] for r in rows} >= {"xla", "triton"}
+    for r in rows:
+        assert r["median_ms"] > 0 and r["roofline_fraction"] > 0
+
+
+def test_model_benchmark_quick(tmp_path):
+    out = tmp_path / "model.json"
+    rows = model_benchmark.main(["--quick", "--out", str(out)])
+    assert {r["implementation"] for r in rows} == {"xla", "auto"}
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["speedup_vs_xla"] > 0

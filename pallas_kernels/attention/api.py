@@ -20,11 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.attention import kv_cache, reference
+from pallas_kernels.attention import kv_cache, reference, triton
 from pallas_kernels.backend import Implementation, dispatch
 
-ATTENTION_IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.masked_tail_attention}
-WRITE_KV_IMPLEMENTATIONS: dict[str, Callable] = {"xla": kv_cache.write_kv}
+# Backend name -> implementation; Pallas backends take ``interpret=`` as well.
+ATTENTION_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": reference.masked_tail_attention,
+    "triton": triton.masked_tail_attention,
+}
+WRITE_KV_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": kv_cache.write_kv,
+    "triton": triton.write_kv,
+}
 
 
 def _check_cache(k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int, int]:

@@ -20,6 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels.attention import api
+from pallas_kernels.attention import triton as attention_triton
+from pallas_kernels.backend import on_gpu
 from pallas_kernels.testing import (
     assert_close,
     attention_oracle,
@@ -27,7 +29,14 @@ from pallas_kernels.testing import (
     tolerance_for,
     write_kv_oracle,
 )
-from tests.helpers import implementations, normal, poison_tail, query_start_loc
+from tests.helpers import (
+    implementations,
+    lower_for_cuda,
+    normal,
+    poison_tail,
+    query_start_loc,
+    spec,
+)
 
 ATTENTION = implementations(api.ATTENTION_IMPLEMENTATIONS)
 WRITE_KV = implementations(api.WRITE_KV_IMPLEMENTATIONS)
@@ -624,6 +633,225 @@ def test_write_kv_argument_errors(impl):
     with pytest.raises(ValueError, match="slot_ids"):
         bad_slots = np.array([0, 1, 2, 9], np.int32)
         call(batch.k_cache, batch.v_cache, k, v, **{**kw, "slot_ids": bad_slots}, validate=True)
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+# Small blocks on a longer cache, so each program loops over several KV blocks: window-edge,
+# unmasked interior and masked diagonal / kv_len blocks all occur. Group 3 (padded to 4)
+# and D = 24 (padded to 32) exercise the padding masks.
+SMALL_BLOCKS = attention_triton.BlockSizes(block_q=4, block_k=16, split_k=32, decode_block_k=16)
+BLOCKS_CASE = VarlenCase(
+    "blocks",
+    # prefill, chunked prefill, decode, kv_len < q_len, padding, empty, kv_len > L
+    (40, 20, 1, 6, 3, 0, 3),
+    (40, 100, 128, 3, 9, 50, 128 + 4),
+    padding=(False, False, False, False, True, False, False),
+    pad_rows=5,
+)
+BLOCKS_SHAPES = dict(num_q_heads=6, num_kv_heads=2, head_dim=24, cache_len=128)
+
+
+@functools.partial(jax.jit, static_argnames=("path",))
+def run_triton_path(q, k_cache, v_cache, qsl, kv_lens, slot_ids, causal, window, *, path):
+    """One Triton path with SMALL_BLOCKS; the mask is traced (one compile per path)."""
+    kernel = {
+        "prefill": attention_triton.prefill_attention,
+        "decode": attention_triton.decode_attention,
+    }[path]
+    return kernel(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc=qsl,
+        kv_lens=kv_lens,
+        slot_ids=slot_ids,
+        causal=causal,
+        sm_scale=0.3,
+        sliding_window=window,
+        block_sizes=SMALL_BLOCKS,
+        interpret=not on_gpu(),
+    )
+
+
+def run_path(batch: AttentionBatch, path: str, *, causal: bool, window: int | None):
+    w = attention_triton.NO_WINDOW if window is None else window
+    return run_triton_path(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.query_start_loc,
+        batch.kv_lens,
+        batch.slot_ids,
+        np.bool_(causal),
+        np.int32(w),
+        path=path,
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_triton_paths_over_many_kv_blocks(path, causal):
+    """Both Triton paths on any layout (the decode path too: the static T <= B rule can't
+    prove q_len == 1), several KV blocks per program, NaN past every kv_len and in unnamed
+    slots (a load outside [0, kv_len) shows up as NaN), windows cutting blocks anywhere."""
+    batch = case_batch(np.random.default_rng(50), BLOCKS_CASE, **BLOCKS_SHAPES)
+    for window in (None, 1, 5, 37):
+        out = run_path(batch, path, causal=causal, window=window)
+        check_attention(batch, out, causal=causal, sm_scale=0.3, sliding_window=window)
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_triton_causal_queries_ignore_keys_above_the_diagonal(path):
+    """Keys and values above a row's diagonal (still inside kv_len, so loaded in the
+    diagonal block) are replaced by huge values: rows before them are bitwise unchanged,
+    rows that may see them change."""
+    batch = case_batch(np.random.default_rng(51), BLOCKS_CASE, **BLOCKS_SHAPES)
+    b, cut = 0, 13  # the 40-token prefill: rows at positions < 13 must not see keys >= 13
+    slot = int(batch.slot_ids[b])
+    perturbed = dataclasses.replace(
+        batch,
+        k_cache=batch.k_cache.at[slot, cut : batch.kv_lens[b]].set(1e3),
+        v_cache=batch.v_cache.at[slot, cut : batch.kv_lens[b]].set(-1e3),
+    )
+    base = np.asarray(run_path(batch, path, causal=True, window=None))
+    out = np.asarray(run_path(perturbed, path, causal=True, window=None))
+    start = batch.query_start_loc[b]
+    before = np.ones(batch.q.shape[0], bool)
+    before[start + cut : batch.query_start_loc[b + 1]] = False
+    assert_bit_identical(out[before], base[before], "rows before the perturbed keys")
+    assert not np.any(out[~before] == base[~before]), "perturbed keys had no effect"
+
+
+def test_prefill_table_worked_example():
+    prog_seq, prog_row = attention_triton.prefill_table(
+        jnp.array([0, 5, 6, 6, 14], jnp.int32), num_tokens=16, block_q=4, max_q_blocks=8
+    )
+    np.testing.assert_array_equal(prog_seq, [3, 3, 1, 0, 0, -1, -1, -1])
+    np.testing.assert_array_equal(prog_row, [10, 6, 5, 4, 0, 0, 0, 0])
+
+
+def test_block_sizes_are_validated():
+    for bad in (
+        dict(block_q=3),
+        dict(block_k=8),
+        dict(block_k=48),
+        dict(decode_block_k=64, split_k=32),
+        dict(num_warps=0),
+        dict(decode_num_stages=0),
+    ):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            attention_triton.BlockSizes(**bad)
+    batch = case_batch(np.random.default_rng(52), MIXED, num_q_heads=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match="block_q"):  # 4 rows < 16: too small for a dot
+        attention_triton.prefill_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            **batch.kwargs(),
+            causal=True,
+            sm_scale=1.0,
+            sliding_window=None,
+            block_sizes=attention_triton.BlockSizes(block_q=4),
+            interpret=True,
+        )
+
+
+def _lower_attention(path, *, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, dtype):
+    slots, cache_len = 8, 4096
+
+    def fn(q, k_cache, v_cache, qsl, kv_lens, slot_ids):
+        kernel = (
+            attention_triton.prefill_attention
+            if path == "prefill"
+            else attention_triton.decode_attention
+        )
+        blocks = attention_triton.default_block_sizes(
+            num_tokens=num_tokens,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            cache_len=cache_len,
+            dtype=dtype,
+        )
+        return kernel(
+            q,
+            k_cache,
+            v_cache,
+            query_start_loc=qsl,
+            kv_lens=kv_lens,
+            slot_ids=slot_ids,
+            causal=True,
+            sm_scale=head_dim**-0.5,
+            sliding_window=None,
+            block_sizes=blocks,
+        )
+
+    cache = spec((slots, cache_len, num_kv_heads, head_dim), dtype)
+    return lower_for_cuda(
+        fn,
+        spec((num_tokens, num_q_heads, head_dim), dtype),
+        cache,
+        cache,
+        spec((num_seqs + 1,), jnp.int32),
+        spec((num_seqs,), jnp.int32),
+        spec((num_seqs,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "num_q_heads", "num_kv_heads"),
+    [
+        (64, jnp.bfloat16, 32, 8),
+        (128, jnp.bfloat16, 32, 8),
+        (256, jnp.bfloat16, 8, 8),
+        (80, jnp.float32, 24, 8),
+    ],
+)
+def test_prefill_attention_lowers(head_dim, dtype, num_q_heads, num_kv_heads):
+    text = _lower_attention(
+        "prefill",
+        num_tokens=1024,
+        num_seqs=4,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    assert "attention_prefill" in text
+
+
+@pytest.mark.parametrize(("head_dim", "dtype"), [(128, jnp.bfloat16), (80, jnp.float32)])
+def test_decode_attention_lowers(head_dim, dtype):
+    text = _lower_attention(
+        "decode",
+        num_tokens=64,
+        num_seqs=64,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    assert "attention_decode_split" in text and "attention_decode_combine" in text
+
+
+def test_write_kv_lowers():
+    slots, cache_len, tokens, num_seqs = 8, 4096, 512, 4
+    cache = spec((slots, cache_len, 8, 128))
+    text = lower_for_cuda(
+        lambda kc, vc, k, v, qsl, kv_lens, slot_ids: attention_triton.write_kv(
+            kc, vc, k, v, query_start_loc=qsl, kv_lens=kv_lens, slot_ids=slot_ids
+        ),
+        cache,
+        cache,
+        spec((tokens, 8, 128)),
+        spec((tokens, 8, 128)),
+        spec((num_seqs + 1,), jnp.int32),
+        spec((num_seqs,), jnp.int32),
+        spec((num_seqs,), jnp.int32),
+    )
+    assert "write_kv" in text
 
 
 # --------------------------------------------------------------------------- GPU, real sizes

@@ -1,0 +1,870 @@
+"""Masked-tail attention over a slot-indexed KV cache as Pallas kernels lowered through Triton.
+
+FlashAttention-2 (Dao, arXiv 2307.08691, Algorithm 1, forward pass): a program holds one
+tile of queries, streams its KV blocks and keeps the online-softmax statistics in fp32 —
+running row max ``m``, row sum ``l`` and unnormalised output ``acc`` — rescaling ``l`` and
+``acc`` by ``exp(m_old - m_new)`` when the max grows, and divides once at the end
+(section 3.1.1: no per-block rescaling of the output). Logits are scaled by
+``sm_scale * log2(e)`` so every exponential is an ``exp2``.
+
+Launches:
+
+1. ``attention_prefill`` (grid: query block × KV head). A table built in the wrapper maps
+   each of ``max_q_blocks = cdiv(T, block_q) + B`` programs to (sequence, first packed
+   row); blocks start at their sequence's first row, so a block never mixes sequences.
+   The ``group = Hq / Hkv`` query heads sharing a KV head form one Q tile of
+   ``[block_q * group, D]`` rows (GQA packing: each KV block is loaded once per group).
+   For the block's first and last positions ``p0 <= p1`` the loop visits exactly the KV
+   blocks ``[lo // block_k, cdiv(hi, block_k))``, ``hi = min(kv_len, p1 + 1)`` (causal) or
+   ``kv_len``, ``lo = max(0, p0 - W + 1)`` (sliding window) or 0, in three parts::
+
+       keys 0 ...................................................... kv_len ... L
+            | window edge (masked) | interior (no mask) | diagonal / kv_len (masked) |
+            lo                     max(p1 - W + 1, 0)   min(kv_len, p0 + 1)          hi
+
+   KV blocks at or past ``kv_len``, wholly above the diagonal or wholly left of the window
+   are never loaded; only the boundary blocks are masked. Programs past the table's live
+   count exit at once; extra programs after the table zero the rows no sequence owns.
+2. ``attention_decode`` (grid: token × KV head × KV split), used when the packed batch is
+   decode-shaped (``T <= B``, static). Flash-decoding (Dao, Haziza, Massa, Sizov,
+   "Flash-Decoding for long-context inference", 2023): each token's visible keys are cut
+   into ``split_k``-key splits processed in parallel, each writing a partial
+   ``(m, l, acc)``. Splits outside the token's visible range exit without loading
+   anything, so the number of working splits follows ``kv_lens`` at run time. Every
+   token's sequence and position come from the packed layout: any layout is correct.
+3. ``attention_decode_combine`` (grid: token × KV head): merges the token's live splits,
+   ``out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s`` with ``M = max_s m_s``.
+
+``write_kv`` (grid: token) copies each token's keys and values to its slot and position,
+in place through ``input_output_aliases``.
+
+The mask (causal, window) and the logit scale are operands, not compile-time constants
+(see ``NO_WINDOW``). Cache entries outside ``[0, kv_len)`` are loaded with ``other=0``
+masks (never read), so NaN in cache tails or unnamed slots never reaches an output. Rows
+with no visible key, rows of slot ``-1`` sequences and packed rows past
+``query_start_loc[-1]`` are 0. Head dims are padded to a power of two (at least 16, the
+smallest Triton dot dimension) and masked. Offsets into arrays over 4 GiB are 64-bit (the
+Pallas Triton lowering switches on the array size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, dot, next_power_of_2
+from pallas_kernels.attention._layout import token_layout
+
+# Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
+# then has max = finfo.min and exp2(logit - max) stays finite, where -inf - (-inf) would be
+# NaN. The same mask zeroes those exponentials, so a row that never sees a key ends with
+# l = 0 and acc = 0, and the final acc / max(l, tiny) is an exact 0.
+_MASK_VALUE: Final = float(jnp.finfo(jnp.float32).min)
+_TINY: Final = float(jnp.finfo(jnp.float32).tiny)
+_LOG2E: Final = math.log2(math.e)
+# The mask reaches the kernels as data, a band of positions: a query at ``pos`` sees keys
+# ``pos - left < j <= pos + right`` (and ``j < kv_len``); causal is ``right = 0``, a
+# sliding window is ``left = W``, and NO_WINDOW (longer than any position) leaves a side
+# open. With the logit scale also an operand, one compiled kernel per shape serves causal,
+# windowed and bidirectional layers alike.
+NO_WINDOW: Final = 1 << 30
+# Streaming multiprocessors assumed when no GPU is attached (H100 SXM); see _num_sms().
+_DEFAULT_NUM_SMS: Final = 132
+# Bytes of one K (or V) tile in shared memory; with Q, double buffering and the fp32
+# accumulator in registers this keeps a program well inside the 228 KiB of an H100/H200 SM.
+_KV_TILE_BYTES: Final = 16 * 1024
+_Q_TILE_BYTES: Final = 32 * 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling and launch parameters of the prefill and decode attention kernels."""
+
+    block_q: int = 64  # query tokens per prefill program (Q tile rows: block_q × padded group)
+    block_k: int = 64  # keys per step of the prefill KV loop
+    num_warps: int = 4  # warps per prefill program
+    num_stages: int = 2  # software-pipelining depth of the prefill KV loop
+    split_k: int = 512  # keys per decode split (flash-decoding)
+    decode_block_k: int = 64  # keys per step of a decode split's loop
+    decode_num_warps: int = 4  # warps per decode program
+    decode_num_stages: int = 2  # software-pipelining depth of a decode split's loop
+
+    def __post_init__(self):
+        if self.block_q < 1 or self.block_q & (self.block_q - 1):
+            raise ValueError(f"block_q={self.block_q} must be a power of two")
+        for name in ("block_k", "decode_block_k"):
+            value = getattr(self, name)
+            if value < MIN_DOT_DIM or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
+        if self.split_k < self.decode_block_k or self.split_k & (self.split_k - 1):
+            raise ValueError(
+                f"split_k={self.split_k} must be a power of two >= "
+                f"decode_block_k={self.decode_block_k}"
+            )
+        for name in ("num_warps", "num_stages", "decode_num_warps", "decode_num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    """Static sizes of one call."""
+
+    num_tokens: int  # T
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    num_slots: int  # S
+    cache_len: int  # L
+    num_seqs: int  # B
+
+    @property
+    def group(self) -> int:  # query heads per KV head
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def block_group(self) -> int:  # the group padded to a power of two
+        return next_power_of_2(self.group)
+
+    @property
+    def block_d(self) -> int:  # the head dim padded to a power of two >= 16
+        return block_dim(self.head_dim, MIN_DOT_DIM)
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _load(ref, mask):
+    """``ref[...]``, masked (``other=0``) when ``mask`` is given."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=0.0)
+
+
+# ------------------------------------------------------------------------- shared pieces
+
+
+def _softmax_step(carry, q, k, v, visible, qk_scale):
+    """One KV block of the online softmax (FlashAttention-2, Algorithm 1, lines 8-10).
+
+    ``q[M, bd]``, ``k, v[bk, bd]``, ``visible[M, bk]`` or None (every key visible);
+    ``qk_scale = sm_scale * log2(e)``, so ``m`` is in log2 units.
+    """
+    m, l, acc = carry
+    s = dot(q, k, trans_b=True) * qk_scale  # [M, bk]
+    if visible is not None:
+        s = jnp.where(visible, s, _MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)  # all-masked rows: 2^(finfo.min - finfo.min) = 1
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+
+def _block_ranges(lo, hi, full_lo, full_hi, block_k):
+    """KV block bounds ``lo_blk <= mid_lo <= mid_hi <= hi_blk`` of one program.
+
+    Keys ``[lo, hi)`` are visible to some row and ``[full_lo, full_hi)`` to every row
+    (all bounds >= 0). Blocks ``[mid_lo, mid_hi)`` lie inside the latter (no mask); the
+    others are masked. ``hi <= lo`` gives no block at all.
+    """
+    lo_blk = lo // block_k
+    hi_blk = jnp.where(hi > lo, pl.cdiv(hi, block_k), lo_blk)
+    mid_lo = jnp.clip(pl.cdiv(full_lo, block_k), lo_blk, hi_blk)
+    mid_hi = jnp.clip(full_hi // block_k, mid_lo, hi_blk)
+    return lo_blk, mid_lo, mid_hi, hi_blk
+
+
+def _kv_loop(kv_block, carry, lo_blk, mid_lo, mid_hi, hi_blk):
+    """Masked window-edge blocks, unmasked interior, masked diagonal / kv_len boundary
+    blocks (the first loop is empty without a sliding window)."""
+    carry = jax.lax.fori_loop(lo_blk, mid_lo, functools.partial(kv_block, masked=True), carry)
+    carry = jax.lax.fori_loop(mid_lo, mid_hi, functools.partial(kv_block, masked=False), carry)
+    return jax.lax.fori_loop(mid_hi, hi_blk, functools.partial(kv_block, masked=True), carry)
+
+
+def _load_kv(ref, slot, start, h, *, block_k, head_dim, kv_len, masked):
+    """``[block_k, bd]`` keys or values ``start..start+block_k`` of ``slot``, KV head ``h``;
+    entries at or past ``kv_len`` (masked blocks) and the head-dim padding read 0."""
+    bd = block_dim(head_dim, MIN_DOT_DIM)
+    d_live = jnp.arange(bd) < head_dim
+    if masked:
+        mask = ((start + jnp.arange(block_k)) < kv_len)[:, None] & d_live[None, :]
+    elif bd != head_dim:
+        mask = jnp.broadcast_to(d_live[None, :], (block_k, bd))
+    else:
+        mask = None
+    return _load(ref.at[slot, pl.ds(start, block_k), h, pl.ds(0, bd)], mask)
+
+
+# ------------------------------------------------------------------------------ 1. prefill
+
+
+def _prefill_kernel(
+    prog_seq_ref,  # [max_q_blocks] int32: the program's sequence, -1 past the live count
+    prog_row_ref,  # [max_q_blocks] int32: its first packed query row
+    seq_end_ref,  # [B] int32: query_start_loc[b + 1] clipped to [0, T]
+    seq_offset_ref,  # [B] int32: packed row r of sequence b sits at position r + offset
+    seq_kv_len_ref,  # [B] int32: kv_lens clipped to [0, L]
+    seq_slot_ref,  # [B] int32: cache slot, -1 for padding sequences
+    scale_ref,  # [1] fp32: sm_scale * log2(e)
+    band_ref,  # [2] int32: (left, right) of the visible band of positions
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D]
+    v_ref,  # [S, L, Hkv, D]
+    o_ref,  # [T, Hq, D]
+    *,
+    group: int,
+    head_dim: int,
+    block_q: int,
+    block_k: int,
+    compute_dtype,
+):
+    p, h = pl.program_id(0), pl.program_id(1)
+    max_q_blocks = prog_seq_ref.shape[0]
+    bg, bd = next_power_of_2(group), block_dim(head_dim, MIN_DOT_DIM)
+    rows = block_q * bg  # Q tile rows: (query, head of the group), query-major
+    head0 = h * group
+    g_live = jnp.arange(bg) < group
+    d_live = jnp.arange(bd) < head_dim
+
+    def tile_mask(row_live):  # [block_q, bg, bd]
+        return row_live[:, None, None] & g_live[None, :, None] & d_live[None, None, :]
+
+    def store(row0, row_live, value):  # value: [block_q, bg, bd]
+        plgpu.store(
+            o_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(0, bd)],
+            value.astype(o_ref.dtype),
+            mask=tile_mask(row_live),
+        )
+
+    zeros = jnp.zeros((block_q, bg, bd), o_ref.dtype)
+
+    @pl.when(p < max_q_blocks)
+    def _table_program():
+        seq = prog_seq_ref[p]
+
+        @pl.when(seq >= 0)
+        def _live_program():
+            row0 = prog_row_ref[p]
+            row_end = seq_end_ref[seq]
+            row_live = row0 + jnp.arange(block_q) < row_end
+            slot = seq_slot_ref[seq]
+
+            @pl.when(slot < 0)
+            def _padding_sequence():
+                store(row0, row_live, zeros)
+
+            @pl.when(slot >= 0)
+            def _attend():
+                kv_len = seq_kv_len_ref[seq]
+                qk_scale, left, right = scale_ref[0], band_ref[0], band_ref[1]
+                pos_first = row0 + seq_offset_ref[seq]
+                pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
+                pos = pos_first + jnp.arange(rows) // bg  # [rows]
+                # Keys visible to some row: [lo, hi); to every row: [full_lo, full_hi).
+                hi = jnp.clip(pos_last + right + 1, 0, kv_len)
+                full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
+                lo = jnp.maximum(pos_first - left + 1, 0)
+                full_lo = jnp.maximum(pos_last - left + 1, 0)
+                bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
+
+                q = _load(
+                    q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(0, bd)],
+                    tile_mask(row_live),
+                )
+                q = q.astype(compute_dtype).reshape(rows, bd)
+
+                def kv_block(j, carry, *, masked):
+                    start = j * block_k
+                    load = functools.partial(
+                        _load_kv,
+                        slot=slot,
+                        start=start,
+                        h=h,
+                        block_k=block_k,
+                        head_dim=head_dim,
+                        kv_len=kv_len,
+                        masked=masked,
+                    )
+                    k = load(k_ref).astype(compute_dtype)
+                    v = load(v_ref).astype(compute_dtype)
+                    visible = None
+                    if masked:
+                        keys = start + jnp.arange(block_k)
+                        visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
+                        visible &= keys[None, :] <= pos[:, None] + right
+                        visible &= keys[None, :] > pos[:, None] - left
+                    return _softmax_step(carry, q, k, v, visible, qk_scale)
+
+                carry = (
+                    jnp.full((rows,), _MASK_VALUE, jnp.float32),
+                    jnp.zeros((rows,), jnp.float32),
+                    jnp.zeros((rows, bd), jnp.float32),
+                )
+                _, l, acc = _kv_loop(kv_block, carry, *bounds)
+                out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
+                store(row0, row_live, out.reshape(block_q, bg, bd))
+
+    # Programs after the table zero the bucket rows no sequence owns: [total, T).
+    @pl.when(p >= max_q_blocks)
+    def _tail():
+        total = seq_end_ref[seq_end_ref.shape[0] - 1]
+        row0 = (p - max_q_blocks) * block_q
+        row_ids = row0 + jnp.arange(block_q)
+
+        @pl.when(row0 + block_q > total)
+        def _():
+            store(row0, (row_ids >= total) & (row_ids < o_ref.shape[0]), zeros)
+
+
+def prefill_table(
+    query_start_loc: jax.Array, *, num_tokens: int, block_q: int, max_q_blocks: int
+) -> tuple[jax.Array, jax.Array]:
+    """Program → (sequence, first packed row) for the prefill grid (jittable, no host sync).
+
+    Query blocks start at each sequence's first row and are numbered along the packed
+    rows; programs take them in reverse, so under the causal mask a sequence's heaviest
+    blocks (its last) start first and the grid ends on light ones. Example,
+    ``block_q = 4``, ``query_start_loc = [0, 5, 6, 6, 14]``, T = 16 (B = 4,
+    ``max_q_blocks = cdiv(16, 4) + 4 = 8``)::
+
+        q_len      5 1 0 8      blocks per sequence  2 1 0 2      block ends  2 3 3 5
+        program    0   1  2  3  4   5  6  7
+        block      4   3  2  1  0   -  -  -
+        seq        3   3  1  0  0  -1 -1 -1
+        first row  10  6  5  4  0   0  0  0
+
+    Programs 5-7 exit; the tail programs zero rows [14, 16).
+
+    Returns:
+      ``(prog_seq, prog_row)``, int32[max_q_blocks] each; ``prog_seq`` is -1 past the live
+      count.
+    """
+    num_seqs = query_start_loc.shape[0] - 1
+    starts = jnp.clip(query_start_loc[:-1], 0, num_tokens)
+    ends = jnp.clip(query_start_loc[1:], starts, num_tokens)
+    num_blocks = pl.cdiv(ends - starts, block_q)
+    block_ends = jnp.cumsum(num_blocks)
+    program = jnp.arange(max_q_blocks, dtype=jnp.int32)
+    block = block_ends[-1] - 1 - program  # heaviest first
+    live = block >= 0
+    seq = jnp.searchsorted(block_ends, block, side="right").astype(jnp.int32)
+    seq_c = jnp.clip(seq, 0, num_seqs - 1)
+    first_block = block_ends[seq_c] - num_blocks[seq_c]
+    row = starts[seq_c] + (block - first_block) * block_q
+    return jnp.where(live, seq, -1), jnp.where(live, row, 0).astype(jnp.int32)
+
+
+def prefill_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    causal: bool | jax.Array,
+    sm_scale: float | jax.Array,
+    sliding_window: int | jax.Array | None,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+) -> jax.Array:
+    """The query-block (FlashAttention-2) kernel, for any batch; ``out[T, Hq, D]``.
+    ``causal``, ``sm_scale`` and ``sliding_window`` may be traced scalars."""
+    s = _shapes(q, k_cache, query_start_loc)
+    b = block_sizes
+    if b.block_q * s.block_group < MIN_DOT_DIM:
+        raise ValueError(
+            f"block_q={b.block_q} times the padded GQA group {s.block_group} must be >= "
+            f"{MIN_DOT_DIM} (the smallest Triton dot dimension)"
+        )
+    max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
+    tail_programs = pl.cdiv(s.num_tokens, b.block_q)
+    prog_seq, prog_row = prefill_table(
+        query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
+    )
+    starts = query_start_loc[:-1]
+    q_len = query_start_loc[1:] - starts
+    seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens)
+    seq_offset = kv_lens - q_len - starts
+    seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len)
+    seq_slot = _checked_slots(slot_ids, s.num_slots)
+    return pl.pallas_call(
+        functools.partial(
+            _prefill_kernel,
+            group=s.group,
+            head_dim=s.head_dim,
+            block_q=b.block_q,
+            block_k=b.block_k,
+            compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
+        ),
+        grid=(max_q_blocks + tail_programs, s.num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(b.num_warps, b.num_stages),
+        interpret=interpret,
+        name=f"attention_prefill_bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}",
+    )(
+        prog_seq,
+        prog_row,
+        seq_end.astype(jnp.int32),
+        seq_offset.astype(jnp.int32),
+        seq_kv_len.astype(jnp.int32),
+        seq_slot,
+        _scale_operand(sm_scale),
+        band_operand(causal, sliding_window),
+        q,
+        k_cache,
+        v_cache,
+    )
+
+
+# ------------------------------------------------------------------------------- 2. decode
+
+
+def _decode_kernel(
+    tok_slot_ref,  # [T] int32: the token's cache slot, -1 for dead tokens
+    tok_lo_ref,  # [T] int32: first visible key
+    tok_hi_ref,  # [T] int32: one past the last visible key
+    scale_ref,  # [1] fp32: sm_scale * log2(e)
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D]
+    v_ref,  # [S, L, Hkv, D]
+    m_ref,  # [T, Hkv, num_splits, rows] fp32: partial row max (log2 units)
+    l_ref,  # [T, Hkv, num_splits, rows] fp32: partial row sum
+    acc_ref,  # [T, Hkv, num_splits, rows, bd] fp32: partial unnormalised output
+    *,
+    group: int,
+    head_dim: int,
+    split_k: int,
+    block_k: int,
+    compute_dtype,
+):
+    t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # Q tile rows: the group's heads, padded to 16 (the smallest Triton dot dimension).
+    rows = max(next_power_of_2(group), MIN_DOT_DIM)
+    bd = block_dim(head_dim, MIN_DOT_DIM)
+    g_live = jnp.arange(rows) < group
+    d_live = jnp.arange(bd) < head_dim
+    slot = tok_slot_ref[t]
+    k0 = jnp.maximum(tok_lo_ref[t], split * split_k)
+    k1 = jnp.minimum(tok_hi_ref[t], (split + 1) * split_k)
+
+    # Splits outside the token's visible keys (and dead tokens) load and write nothing;
+    # the combine kernel reads only the live ones.
+    @pl.when((slot >= 0) & (k0 < k1))
+    def _():
+        q = _load(
+            q_ref.at[t, pl.ds(h * group, rows), pl.ds(0, bd)],
+            g_live[:, None] & d_live[None, :],
+        ).astype(compute_dtype)
+
+        def kv_block(j, carry, *, masked):
+            start = j * block_k
+            load = functools.partial(
+                _load_kv,
+                slot=slot,
+                start=start,
+                h=h,
+                block_k=block_k,
+                head_dim=head_dim,
+                kv_len=k1,
+                masked=masked,
+            )
+            k = load(k_ref).astype(compute_dtype)
+            v = load(v_ref).astype(compute_dtype)
+            visible = None
+            if masked:
+                keys = start + jnp.arange(block_k)
+                visible = jnp.broadcast_to(((keys >= k0) & (keys < k1))[None, :], (rows, block_k))
+            return _softmax_step(carry, q, k, v, visible, scale_ref[0])
+
+        carry = (
+            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, bd), jnp.float32),
+        )
+        # One row: keys [k0, k1) are visible to all of it; only the end blocks are masked.
+        bounds = _block_ranges(k0, k1, k0, k1, block_k)
+        m, l, acc = _kv_loop(kv_block, carry, *bounds)
+        plgpu.store(m_ref.at[t, h, split, pl.ds(0, rows)], m, mask=g_live)
+        plgpu.store(l_ref.at[t, h, split, pl.ds(0, rows)], l, mask=g_live)
+        plgpu.store(
+            acc_ref.at[t, h, split, pl.ds(0, rows), :],
+            acc,
+            mask=jnp.broadcast_to(g_live[:, None], (rows, bd)),
+        )
+
+
+def _decode_combine_kernel(
+    tok_slot_ref,  # [T] int32
+    tok_lo_ref,  # [T] int32
+    tok_hi_ref,  # [T] int32
+    m_ref,  # [T, Hkv, num_splits, rows] fp32 (rows: the group padded to >= 16)
+    l_ref,  # [T, Hkv, num_splits, rows] fp32
+    acc_ref,  # [T, Hkv, num_splits, rows, bd] fp32
+    o_ref,  # [T, Hq, D]
+    *,
+    group: int,
+    head_dim: int,
+    split_k: int,
+):
+    t, h = pl.program_id(0), pl.program_id(1)
+    bg, bd = next_power_of_2(group), acc_ref.shape[-1]
+    g_live = jnp.arange(bg) < group
+    d_live = jnp.arange(bd) < head_dim
+    tile = g_live[:, None] & d_live[None, :]
+    lo, hi = tok_lo_ref[t], tok_hi_ref[t]
+    live = (tok_slot_ref[t] >= 0) & (lo < hi)
+    # The splits the decode kernel wrote: those meeting [lo, hi).
+    first = lo // split_k
+    last = jnp.where(live, pl.cdiv(hi, split_k), first)
+
+    def merge(split, carry):
+        m, l, acc = carry
+        m_s = plgpu.load(m_ref.at[t, h, split, pl.ds(0, bg)], mask=g_live, other=_MASK_VALUE)
+        l_s = _load(l_ref.at[t, h, split, pl.ds(0, bg)], g_live)
+        acc_s = _load(
+            acc_ref.at[t, h, split, pl.ds(0, bg), :], jnp.broadcast_to(g_live[:, None], (bg, bd))
+        )
+        m_new = jnp.maximum(m, m_s)
+        alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+        return m_new, l * alpha + l_s * beta, acc * alpha[:, None] + acc_s * beta[:, None]
+
+    carry = (
+        jnp.full((bg,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((bg,), jnp.float32),
+        jnp.zeros((bg, bd), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(first, last, merge, carry)
+    out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
+    plgpu.store(o_ref.at[t, pl.ds(h * group, bg), pl.ds(0, bd)], out.astype(o_ref.dtype), mask=tile)
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    causal: bool | jax.Array,
+    sm_scale: float | jax.Array,
+    sliding_window: int | jax.Array | None,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+) -> jax.Array:
+    """The split-KV (flash-decoding) kernels, one program per token × KV head × split;
+    correct for any layout, fast when every sequence has one token. ``out[T, Hq, D]``.
+    ``causal``, ``sm_scale`` and ``sliding_window`` may be traced scalars."""
+    s = _shapes(q, k_cache, query_start_loc)
+    b = block_sizes
+    split_k = min(b.split_k, max(block_dim(s.cache_len), b.decode_block_k))
+    num_splits = pl.cdiv(s.cache_len, split_k)
+    layout = token_layout(s.num_tokens, query_start_loc, kv_lens, slot_ids)
+    kv_len = jnp.clip(layout.kv_len, 0, s.cache_len)
+    left, right = band_operand(causal, sliding_window)
+    hi = jnp.clip(layout.position + right + 1, 0, kv_len)
+    lo = jnp.maximum(layout.position - left + 1, 0)
+    tok_slot = jnp.where(layout.live, _checked_slots(layout.slot, s.num_slots), -1)
+    tokens = (tok_slot, lo.astype(jnp.int32), hi.astype(jnp.int32))
+    f32 = jnp.float32
+    # Partials keep the decode Q tile's padded rows (only the group's rows are written).
+    rows = max(s.block_group, MIN_DOT_DIM)
+    partial_rows = (s.num_tokens, s.num_kv_heads, num_splits, rows)
+    m, l, acc = pl.pallas_call(
+        functools.partial(
+            _decode_kernel,
+            group=s.group,
+            head_dim=s.head_dim,
+            split_k=split_k,
+            block_k=b.decode_block_k,
+            compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
+        ),
+        grid=(s.num_tokens, s.num_kv_heads, num_splits),
+        out_shape=(
+            jax.ShapeDtypeStruct(partial_rows, f32),
+            jax.ShapeDtypeStruct(partial_rows, f32),
+            jax.ShapeDtypeStruct((*partial_rows, s.block_d), f32),
+        ),
+        compiler_params=_compiler_params(b.decode_num_warps, b.decode_num_stages),
+        interpret=interpret,
+        name=f"attention_decode_split{split_k}_bk{b.decode_block_k}_g{s.group}_d{s.head_dim}",
+    )(*tokens, _scale_operand(sm_scale), q, k_cache, v_cache)
+    return pl.pallas_call(
+        functools.partial(
+            _decode_combine_kernel, group=s.group, head_dim=s.head_dim, split_k=split_k
+        ),
+        grid=(s.num_tokens, s.num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(num_warps=1 if s.block_d <= 64 else 2, num_stages=2),
+        interpret=interpret,
+        name=f"attention_decode_combine_split{split_k}_g{s.group}_d{s.head_dim}",
+    )(*tokens, m, l, acc)
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+def _shapes(q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> _Shapes:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    return _Shapes(
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_slots=num_slots,
+        cache_len=cache_len,
+        num_seqs=query_start_loc.shape[0] - 1,
+    )
+
+
+def _scale_operand(sm_scale: float | jax.Array) -> jax.Array:
+    """fp32[1]: ``sm_scale * log2(e)`` (logits in log2 units for ``exp2``)."""
+    return (jnp.asarray(sm_scale, jnp.float32) * _LOG2E).reshape(1)
+
+
+def band_operand(causal: bool | jax.Array, sliding_window: int | jax.Array | None) -> jax.Array:
+    """int32[2]: ``(left, right)``, keys ``pos - left < j <= pos + right`` are visible."""
+    left = NO_WINDOW if sliding_window is None else sliding_window
+    right = jnp.where(causal, 0, NO_WINDOW)
+    return jnp.stack([jnp.asarray(left, jnp.int32), right.astype(jnp.int32)])
+
+
+def _checked_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:
+    """Slot ids with anything outside ``[0, S)`` (padding's -1, bad data) mapped to -1:
+    such rows read and write nothing."""
+    return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1).astype(jnp.int32)
+
+
+def is_decode_shaped(num_tokens: int, num_seqs: int) -> bool:
+    """Static rule for the split-KV path: no more tokens than sequences (every sequence
+    has at most one token on average; the kernels stay correct for any layout)."""
+    return num_tokens <= num_seqs
+
+
+def masked_tail_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    causal: bool,
+    sm_scale: float,
+    sliding_window: int | None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated.
+
+    Decode-shaped batches (``T <= B``) take the split-KV kernels, others the query-block
+    kernel. ``causal``, ``sm_scale`` and ``sliding_window`` reach the compiled program as
+    data (see ``NO_WINDOW``): changing them does not recompile.
+    """
+    return _attention(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        jnp.asarray(causal),
+        jnp.asarray(sm_scale, jnp.float32),
+        jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32),
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _attention(
+    q,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    kv_lens,
+    slot_ids,
+    causal,
+    sm_scale,
+    window,
+    *,
+    block_sizes,
+    interpret,
+):
+    """``masked_tail_attention`` with ``causal``, ``sm_scale`` and the window as scalar
+    arrays."""
+    s = _shapes(q, k_cache, query_start_loc)
+    blocks = block_sizes or default_block_sizes(
+        num_tokens=s.num_tokens,
+        num_q_heads=s.num_q_heads,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        cache_len=s.cache_len,
+        dtype=q.dtype,
+    )
+    kernel = decode_attention if is_decode_shaped(s.num_tokens, s.num_seqs) else prefill_attention
+    return kernel(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc=query_start_loc,
+        kv_lens=kv_lens,
+        slot_ids=slot_ids,
+        causal=causal,
+        sm_scale=sm_scale,
+        sliding_window=window,
+        block_sizes=blocks,
+        interpret=interpret,
+    )
+
+
+# ------------------------------------------------------------------------------ write_kv
+
+
+def _write_kv_kernel(
+    tok_slot_ref,  # [T] int32: destination slot, -1 for tokens that write nothing
+    tok_pos_ref,  # [T] int32: destination position in [0, L)
+    k_ref,  # [T, Hkv, D]
+    v_ref,  # [T, Hkv, D]
+    k_in_ref,  # [S, L, Hkv, D], aliased to k_cache_ref
+    v_in_ref,  # [S, L, Hkv, D], aliased to v_cache_ref
+    k_cache_ref,  # [S, L, Hkv, D]
+    v_cache_ref,  # [S, L, Hkv, D]
+):
+    del k_in_ref, v_in_ref  # the same buffers as the outputs
+    t = pl.program_id(0)
+    num_kv_heads, head_dim = k_ref.shape[1:]
+    bh, bd = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)
+    tile = (jnp.arange(bh) < num_kv_heads)[:, None] & (jnp.arange(bd) < head_dim)[None, :]
+    slot, pos = tok_slot_ref[t], tok_pos_ref[t]
+
+    @pl.when(slot >= 0)
+    def _():
+        for src, dst in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
+            row = _load(src.at[t, pl.ds(0, bh), pl.ds(0, bd)], tile)
+            plgpu.store(
+                dst.at[slot, pos, pl.ds(0, bh), pl.ds(0, bd)], row.astype(dst.dtype), mask=tile
+            )
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def write_kv(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.write_kv`; arguments are already validated. One program
+    per token copies its ``[Hkv, D]`` keys and values; the caches are updated in place."""
+    num_slots, cache_len, num_kv_heads, head_dim = k_cache.shape
+    num_tokens = k.shape[0]
+    layout = token_layout(num_tokens, query_start_loc, kv_lens, slot_ids)
+    in_range = layout.live & (layout.position >= 0) & (layout.position < cache_len)
+    tok_slot = jnp.where(in_range, _checked_slots(layout.slot, num_slots), -1)
+    tok_pos = jnp.where(in_range, layout.position, 0).astype(jnp.int32)
+    row = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
+    # One 16-byte access per thread per row at 4 warps (512 threads × 8 bf16 = 4096).
+    num_warps = max(1, min(4, row // 256))
+    return pl.pallas_call(
+        _write_kv_kernel,
+        grid=(num_tokens,),
+        out_shape=(
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ),
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=_compiler_params(num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"write_kv_h{num_kv_heads}_d{head_dim}",
+    )(tok_slot, tok_pos, k, v, k_cache, v_cache)
+
+
+# ---------------------------------------------------------------------------- heuristics
+
+
+def _num_sms() -> int:
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return int(getattr(device, "core_count", _DEFAULT_NUM_SMS))
+    return _DEFAULT_NUM_SMS
+
+
+def default_block_sizes(
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache_len: int,
+    dtype,
+    num_sms: int | None = None,
+) -> BlockSizes:
+    """Heuristic tiling from the shapes, dtype and device.
+
+    Prefill (FlashAttention-2 style tiles):
+      * K/V tiles of at most 16 KiB (64 keys at D=128 bf16, 32 at D=256 or fp32): with
+        double buffering and the Q tile they stay well inside an SM's shared memory.
+      * Q tiles of at most 32 KiB, at most 128 rows (128 at D<=128 bf16, 64 at D=256): the
+        fp32 accumulator then takes <= 64 registers per thread at 8 warps.
+      * ``block_q`` = Q rows / padded GQA group, never below 16 / group (Triton's smallest
+        dot) and never above T. Not lowered for short sequences: a block holding one
+        decode row costs the same KV loads as a full one, and the tensor cores have time
+        to spare while those loads stream.
+      * 8 warps once the accumulator passes 8K fp32 elements, else 4; three pipeline
+        stages at D <= 64 (small tiles), else two.
+    Decode (flash-decoding):
+      * K/V tiles of at most 32 KiB per loop step (128 keys at D=128 bf16): one query row
+        means few FLOPs per byte, so the loop is about keeping loads in flight.
+      * ``split_k``: the largest power of two <= 1024 keys that still gives
+        >= 4 programs per SM when every cache line is full, and never below the loop step.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    bd = block_dim(head_dim, MIN_DOT_DIM)
+    bg = next_power_of_2(num_q_heads // num_kv_heads)
+    bl = block_dim(cache_len, MIN_DOT_DIM)
+
+    block_k = min(max(_KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 64, bl)
+    q_rows = min(max(_Q_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 128)
+    min_block_q = max(1, MIN_DOT_DIM // bg)
+    block_q = max(min(q_rows // bg, block_dim(num_tokens)), min_block_q)
+    num_warps = 8 if block_q * bg * bd > 8192 else 4
+    num_stages = 3 if bd <= 64 else 2
+
+    decode_block_k = min(max(2 * _KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 128, bl)
+    target_programs = 4 * (num_sms or _num_sms())
+    split_k = max(min(1024, bl), decode_block_k)
+    while (
+        split_k > decode_block_k
+        and num_tokens * num_kv_heads * pl.cdiv(cache_len, split_k) < target_programs
+    ):
+        split_k //= 2
+    return BlockSizes(
+        block_q=block_q,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        split_k=split_k,
+        decode_block_k=decode_block_k,
+        decode_num_warps=4,
+        decode_num_stages=2,
+    )
