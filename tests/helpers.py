@@ -28,6 +28,18 @@ def normal(rng: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.
     return jnp.asarray(rng.normal(size=shape) * scale, dtype=jnp.float32).astype(dtype)
 
 
+def as_f32(a) -> np.ndarray:
+    """A float32 NumPy copy of a JAX/NumPy array (bf16 values are exact in float32)."""
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def assert_bit_identical(actual, expected, name: str) -> None:
+    """Same dtype, shape and bytes (NaN payloads included): nothing was written."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+    assert actual.tobytes() == expected.tobytes(), f"{name} changed"
+
+
 def poison_tail(cache: np.ndarray, slot_ids, lengths) -> np.ndarray:
     """A copy of ``cache[S, L, ...]`` with positions at or past ``lengths[b]`` of each named
     slot (and every unnamed slot) set to NaN: whatever reads them shows up."""

@@ -30,6 +30,8 @@ from pallas_kernels.testing import (
     write_kv_oracle,
 )
 from tests.helpers import (
+    as_f32,
+    assert_bit_identical,
     implementations,
     lower_for_cuda,
     normal,
@@ -74,17 +76,6 @@ CASES = (
 )
 CASE_IDS = [c.name for c in CASES]
 MIXED = CASES[3]
-
-
-def as_f32(a) -> np.ndarray:
-    """A float32 NumPy copy of a JAX/NumPy array (bf16 values are exact in float32)."""
-    return np.asarray(jnp.asarray(a).astype(jnp.float32))
-
-
-def assert_bit_identical(actual, expected, name: str) -> None:
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-    assert actual.tobytes() == expected.tobytes(), f"{name} changed"
 
 
 @dataclasses.dataclass

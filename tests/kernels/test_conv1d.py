@@ -25,7 +25,15 @@ from pallas_kernels.testing import (
     causal_conv1d_update_oracle,
     tolerance_for,
 )
-from tests.helpers import implementations, lower_for_cuda, normal, query_start_loc, spec
+from tests.helpers import (
+    as_f32,
+    assert_bit_identical,
+    implementations,
+    lower_for_cuda,
+    normal,
+    query_start_loc,
+    spec,
+)
 
 PREFILL = implementations(api.PREFILL_IMPLEMENTATIONS)
 UPDATE = implementations(api.UPDATE_IMPLEMENTATIONS)
@@ -65,17 +73,6 @@ CASES = (
 )
 CASE_IDS = [c.name for c in CASES]
 MIXED = CASES[2]
-
-
-def as_f32(a) -> np.ndarray:
-    """A float32 NumPy copy of a JAX/NumPy array (bf16 values are exact in float32)."""
-    return np.asarray(jnp.asarray(a).astype(jnp.float32))
-
-
-def assert_bit_identical(actual, expected, name: str) -> None:
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-    assert actual.tobytes() == expected.tobytes(), f"{name} changed"
 
 
 @dataclasses.dataclass

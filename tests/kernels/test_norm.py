@@ -13,7 +13,7 @@ import pytest
 from pallas_kernels.norm import api
 from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.testing import assert_close, gated_rms_norm_oracle, tolerance_for
-from tests.helpers import implementations, lower_for_cuda, normal, spec
+from tests.helpers import as_f32, implementations, lower_for_cuda, normal, spec
 
 IMPLS = implementations(api.IMPLEMENTATIONS)
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -29,10 +29,6 @@ SHAPES = {
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def as_f32(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a).astype(jnp.float32))
 
 
 def make_inputs(rng, T, Dm, *, dtype=jnp.float32, gated=True, x_scale=1.0):

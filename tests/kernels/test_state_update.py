@@ -200,13 +200,25 @@ def test_validate_rejects_bad_slots():
 @pytest.mark.parametrize("rows", [1, 64, 256])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_real_sizes(rows, cache_dtype):
-    arrays, options = make_step(rows, slots=2 * rows + 1, heads=128, head_dim=64,
-                                state_dim=128, groups=8, dtype=jnp.bfloat16,
-                                cache_dtype=cache_dtype, seed=rows)
+    arrays, options = make_step(
+        rows,
+        slots=2 * rows + 1,
+        heads=128,
+        head_dim=64,
+        state_dim=128,
+        groups=8,
+        dtype=jnp.bfloat16,
+        cache_dtype=cache_dtype,
+        seed=rows,
+    )
     slots = np.random.default_rng(rows).permutation(2 * rows + 1)[:rows]
     slots[::7] = -1
     y, cache = call("triton", arrays, slots, **options)
     y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
     assert_close(y, y_ref, rtol=BF16_TOL, name="y")
-    assert_close(cache, cache_ref, rtol=BF16_TOL if cache_dtype == jnp.bfloat16 else F32_TOL,
-                 name="state cache")
+    assert_close(
+        cache,
+        cache_ref,
+        rtol=BF16_TOL if cache_dtype == jnp.bfloat16 else F32_TOL,
+        name="state cache",
+    )
