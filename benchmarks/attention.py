@@ -16,7 +16,6 @@ are visible to some query (each read once per KV head).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Sequence
 
@@ -184,10 +183,7 @@ def bench(p: Problem, ceilings: harness.Ceilings) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="masked_tail_attention benchmarks")
-    parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    args = parser.parse_args(argv)
+    args = harness.parse_args(argv, "masked_tail_attention benchmarks")
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
     for p in problems(args.quick):

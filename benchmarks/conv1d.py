@@ -8,7 +8,6 @@ in the same run.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Sequence
 
@@ -170,10 +169,7 @@ def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="conv1d and gated norm benchmarks")
-    parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    args = parser.parse_args(argv)
+    args = harness.parse_args(argv, "conv1d and gated norm benchmarks")
     ceilings = harness.measure_ceilings(quick=args.quick)
     conv, update, norm = problems(args.quick)
     rows = []

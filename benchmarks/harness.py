@@ -8,6 +8,7 @@ same run, never written down, and every row reports its fraction of the roofline
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import platform
@@ -22,6 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.backend import resolve
+
+
+def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
+    """``--out PATH`` (JSON) and ``--quick`` (tiny shapes, a CPU smoke run): the arguments
+    every benchmark module takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    return parser.parse_args(argv)
 
 
 def runnable(registry: Mapping[str, Any]) -> list[str]:

@@ -9,7 +9,6 @@ rows with 4k tokens of context, and peak device memory. ``--quick`` runs a tiny 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import jax
@@ -61,10 +60,7 @@ def _peak_bytes() -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="hybrid model serving benchmark")
-    parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--quick", action="store_true", help="tiny model (CPU smoke run)")
-    args = parser.parse_args(argv)
+    args = harness.parse_args(argv, "hybrid model serving benchmark")
     rng = np.random.default_rng(0)
     if args.quick:
         cfg, dtype = HybridConfig.tiny(), jnp.float32

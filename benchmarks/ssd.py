@@ -7,7 +7,6 @@ FLOPs and bytes are counted here from the chunk layout (useful work of real chun
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Sequence
 
@@ -182,10 +181,7 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="SSD prefill and decode benchmarks")
-    parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    args = parser.parse_args(argv)
+    args = harness.parse_args(argv, "SSD prefill and decode benchmarks")
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
     for p in prefill_problems(args.quick):

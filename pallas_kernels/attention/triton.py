@@ -208,6 +208,26 @@ def _load_kv(ref, slot, start, h, *, block_k, head_dim, kv_len, masked):
     return _load(ref.at[slot, pl.ds(start, block_k), h, pl.ds(0, bd)], mask)
 
 
+def _kv_step(
+    carry, q, k_ref, v_ref, *, slot, start, h, block_k, head_dim, kv_len, masked, visible, qk_scale
+):
+    """Loads one KV block (zeros past ``kv_len`` when ``masked``) in ``q``'s dtype and runs
+    the online-softmax step on it; ``visible`` is the block's element mask or None."""
+    load = functools.partial(
+        _load_kv,
+        slot=slot,
+        start=start,
+        h=h,
+        block_k=block_k,
+        head_dim=head_dim,
+        kv_len=kv_len,
+        masked=masked,
+    )
+    k = load(k_ref).astype(q.dtype)
+    v = load(v_ref).astype(q.dtype)
+    return _softmax_step(carry, q, k, v, visible, qk_scale)
+
+
 # ------------------------------------------------------------------------------ 1. prefill
 
 
@@ -288,8 +308,17 @@ def _prefill_kernel(
 
                 def kv_block(j, carry, *, masked):
                     start = j * block_k
-                    load = functools.partial(
-                        _load_kv,
+                    visible = None
+                    if masked:
+                        keys = start + jnp.arange(block_k)
+                        visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
+                        visible &= keys[None, :] <= pos[:, None] + right
+                        visible &= keys[None, :] > pos[:, None] - left
+                    return _kv_step(
+                        carry,
+                        q,
+                        k_ref,
+                        v_ref,
                         slot=slot,
                         start=start,
                         h=h,
@@ -297,16 +326,9 @@ def _prefill_kernel(
                         head_dim=head_dim,
                         kv_len=kv_len,
                         masked=masked,
+                        visible=visible,
+                        qk_scale=qk_scale,
                     )
-                    k = load(k_ref).astype(compute_dtype)
-                    v = load(v_ref).astype(compute_dtype)
-                    visible = None
-                    if masked:
-                        keys = start + jnp.arange(block_k)
-                        visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
-                        visible &= keys[None, :] <= pos[:, None] + right
-                        visible &= keys[None, :] > pos[:, None] - left
-                    return _softmax_step(carry, q, k, v, visible, qk_scale)
 
                 carry = (
                     jnp.full((rows,), _MASK_VALUE, jnp.float32),
@@ -472,8 +494,15 @@ def _decode_kernel(
 
         def kv_block(j, carry, *, masked):
             start = j * block_k
-            load = functools.partial(
-                _load_kv,
+            visible = None
+            if masked:
+                keys = start + jnp.arange(block_k)
+                visible = jnp.broadcast_to(((keys >= k0) & (keys < k1))[None, :], (rows, block_k))
+            return _kv_step(
+                carry,
+                q,
+                k_ref,
+                v_ref,
                 slot=slot,
                 start=start,
                 h=h,
@@ -481,14 +510,9 @@ def _decode_kernel(
                 head_dim=head_dim,
                 kv_len=k1,
                 masked=masked,
+                visible=visible,
+                qk_scale=scale_ref[0],
             )
-            k = load(k_ref).astype(compute_dtype)
-            v = load(v_ref).astype(compute_dtype)
-            visible = None
-            if masked:
-                keys = start + jnp.arange(block_k)
-                visible = jnp.broadcast_to(((keys >= k0) & (keys < k1))[None, :], (rows, block_k))
-            return _softmax_step(carry, q, k, v, visible, scale_ref[0])
 
         carry = (
             jnp.full((rows,), _MASK_VALUE, jnp.float32),
