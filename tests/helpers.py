@@ -23,6 +23,16 @@ def query_start_loc(lengths: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
+def dead_rows(num_tokens: int, query_start_loc, slot_ids) -> np.ndarray:
+    """bool[T]: rows of padding sequences (slot -1) and rows past ``query_start_loc[-1]``,
+    whose outputs must be exactly 0."""
+    dead = np.ones(num_tokens, bool)
+    for b, slot in enumerate(slot_ids):
+        if slot >= 0:
+            dead[query_start_loc[b] : query_start_loc[b + 1]] = False
+    return dead
+
+
 def normal(rng: np.random.Generator, shape, dtype=jnp.float32, scale: float = 1.0) -> jnp.ndarray:
     """Random normal data (never zeros) cast to ``dtype``."""
     return jnp.asarray(rng.normal(size=shape) * scale, dtype=jnp.float32).astype(dtype)

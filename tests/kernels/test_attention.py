@@ -32,6 +32,7 @@ from pallas_kernels.testing import (
 from tests.helpers import (
     as_f32,
     assert_bit_identical,
+    dead_rows,
     implementations,
     lower_for_cuda,
     normal,
@@ -94,11 +95,7 @@ class AttentionBatch:
 
     def dead_rows(self) -> np.ndarray:
         """bool[T]: rows of padding sequences and rows past ``query_start_loc[-1]``."""
-        dead = np.ones(self.q.shape[0], bool)
-        for b, slot in enumerate(self.slot_ids):
-            if slot >= 0:
-                dead[self.query_start_loc[b] : self.query_start_loc[b + 1]] = False
-        return dead
+        return dead_rows(self.q.shape[0], self.query_start_loc, self.slot_ids)
 
 
 def make_batch(

@@ -28,6 +28,7 @@ from pallas_kernels.testing import (
 from tests.helpers import (
     as_f32,
     assert_bit_identical,
+    dead_rows,
     implementations,
     lower_for_cuda,
     normal,
@@ -104,11 +105,7 @@ class ConvBatch:
 
     def dead_rows(self) -> np.ndarray:
         """bool[T]: rows of padding sequences and rows past ``query_start_loc[-1]``."""
-        dead = np.ones(self.x.shape[0], bool)
-        for b, slot in enumerate(self.slot_ids):
-            if slot >= 0:
-                dead[self.query_start_loc[b] : self.query_start_loc[b + 1]] = False
-        return dead
+        return dead_rows(self.x.shape[0], self.query_start_loc, self.slot_ids)
 
 
 def make_batch(
