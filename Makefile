@@ -26,7 +26,7 @@ demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m flax_models.demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check pallas_kernels flax_models tests benchmarks tools
+	$(PY) -m ruff check pallas_kernels flax_models tests benchmarks tools notebooks
 
 test: $(STAMP) lint
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m "not gpu" -p no:cacheprovider

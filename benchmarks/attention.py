@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks import harness
 from pallas_kernels import masked_tail_attention
 from pallas_kernels.attention import api as attention_api
-from pallas_kernels.backend import on_gpu, resolve
+from pallas_kernels.backend import on_gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,17 +74,6 @@ def problems(quick: bool) -> list[Problem]:
         kv = rng.integers(1024, 32768, size=rows, endpoint=True)
         out.append(Problem(f"decode-{rows}", (1,) * rows, tuple(int(k) for k in kv), 32768))
     return out
-
-
-def runnable(registry) -> list[str]:
-    names = []
-    for name in sorted(registry):
-        try:
-            resolve(name, op="benchmark", available=registry)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
 
 
 def cost(p: Problem) -> tuple[float, float]:
@@ -136,12 +125,13 @@ def bench(p: Problem, ceilings: harness.Ceilings) -> list[dict]:
                 flops=flops,
                 bytes_moved=bytes_moved,
                 ceilings=ceilings,
+                op="masked_tail_attention",
                 **extra,
                 **row_extra,
             )
         )
 
-    for impl in runnable(attention_api.ATTENTION_IMPLEMENTATIONS):
+    for impl in harness.runnable(attention_api.ATTENTION_IMPLEMENTATIONS):
         fn = jax.jit(
             lambda q, k, v, impl=impl: masked_tail_attention(
                 q,

@@ -104,6 +104,7 @@ def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
                 flops=flops,
                 bytes_moved=bytes_moved,
                 ceilings=ceilings,
+                op="causal_conv1d",
                 tokens=T,
                 sequences=B,
             )
@@ -134,6 +135,7 @@ def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
                 flops=flops,
                 bytes_moved=bytes_moved,
                 ceilings=ceilings,
+                op="causal_conv1d_update",
                 rows=R,
             )
         )
@@ -161,6 +163,7 @@ def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
                 flops=flops,
                 bytes_moved=bytes_moved,
                 ceilings=ceilings,
+                op="gated_rms_norm",
                 rows=p.rows,
                 group_size=p.group_size,
             )

@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             )
         for name, (decode, prefill) in cases.items():
             arrays = engine.builder.build(decode, prefill)
-            timing = harness.time_fn(lambda a=arrays, e=engine: e.step(a), samples=7)
+            timing = harness.time_fn(lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5)
             tokens = arrays.num_tokens
             flops, bytes_moved = _cost(cfg, base, arrays, context)
             rows.append(
@@ -116,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     name,
                     impl,
                     timing,
-                    flops=0.0,
-                    bytes_moved=0.0,
+                    flops=flops,
+                    bytes_moved=bytes_moved,
+                    op="model",
                     ceilings=ceilings,
                     tokens=tokens,
                     tokens_per_s=tokens / (timing.median_ms * 1e-3),

@@ -126,6 +126,7 @@ def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
                 flops=flops,
                 bytes_moved=bytes_moved,
                 ceilings=ceilings,
+                op="ssd_scan",
                 tokens=T,
                 sequences=len(p.lengths),
                 chunks=n,
@@ -174,6 +175,7 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
                 flops=flops,
                 bytes_moved=bytes_moved,
                 ceilings=ceilings,
+                op="selective_state_update",
                 rows=R,
             )
         )

@@ -142,6 +142,35 @@ def chunk_metadata(
 # --------------------------------------------------------------------------------------
 
 
+def sequence_block_table(
+    query_start_loc: jax.Array, *, block_size: int, num_blocks: int
+) -> tuple[jax.Array, jax.Array]:
+    """Blocks of ``block_size`` packed rows aligned to sequence starts, so that no block
+    holds two sequences (jittable, no host sync): the layout of every kernel that works
+    per (sequence, row block). A batch has at most ``cdiv(T, block_size) + B`` of them.
+    Example, ``block_size = 4``, ``query_start_loc = [0, 6, 6, 9]``::
+
+        block_seq = [0, 0, 2, -1, ...]     block_row = [0, 4, 6, 9, ...]
+
+    Returns:
+      ``(block_seq, block_row)``, int32[num_blocks] each: the block's sequence (-1 past
+      the live blocks) and its first packed row (``query_start_loc[-1]`` past them).
+    """
+    query_start_loc = jnp.asarray(query_start_loc)
+    num_seqs = query_start_loc.shape[0] - 1
+    lengths = jnp.maximum(query_start_loc[1:] - query_start_loc[:-1], 0)
+    blocks_per_seq = -(-lengths // block_size)
+    ends = jnp.cumsum(blocks_per_seq)
+    block = jnp.arange(num_blocks)
+    seq = jnp.minimum(jnp.searchsorted(ends, block, side="right"), num_seqs - 1)
+    live = block < ends[-1]
+    row = query_start_loc[seq] + (block - (ends - blocks_per_seq)[seq]) * block_size
+    return (
+        jnp.where(live, seq, -1).astype(jnp.int32),
+        jnp.where(live, row, query_start_loc[-1]).astype(jnp.int32),
+    )
+
+
 def power_of_two_buckets(max_size: int, *, min_size: int = 1) -> tuple[int, ...]:
     """Powers of two from ``min_size`` up to the first one ``>= max_size`` (which is kept)."""
     if min_size < 1 or max_size < 1:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 
 from benchmarks import attention as attention_benchmark
 from benchmarks import conv1d as conv1d_benchmark
 from benchmarks import model as model_benchmark
+from benchmarks import plots, run_all
 from benchmarks import ssd as ssd_benchmark
 from flax_models import demo
+from tests.helpers import fast_compile_env
 
 
 def test_demo_rows_are_accurate():
@@ -63,3 +67,28 @@ def test_model_benchmark_quick(tmp_path):
     assert {r["implementation"] for r in rows} == {"xla", "auto"}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["speedup_vs_xla"] > 0
+
+
+def test_run_all_quick_keeps_going_past_a_failing_module(tmp_path, monkeypatch):
+    """One cheap module (each module's own smoke test is above) and one that cannot start:
+    the combined JSON holds the first's report and the second's error, and plots the first."""
+    for name, value in fast_compile_env(os.environ).items():  # inherited by the modules
+        monkeypatch.setenv(name, value)
+    path = run_all.run(("conv1d", "no_such_module"), quick=True, out_dir=tmp_path, echo=False)
+    payload = json.loads(path.read_text())
+    assert path.name == f"{plots.slug(payload['device'])}.json"
+    assert list(payload["modules"]) == ["conv1d", "no_such_module"]
+    failed = payload["modules"]["no_such_module"]
+    assert "exit status" in failed["error"] and "no_such_module" in failed["log"]
+    reports = {r.module: r for r in plots.load(path)}
+    assert reports["no_such_module"].error and not reports["no_such_module"].rows
+    rows = reports["conv1d"].rows
+    assert {r["implementation"] for r in rows} >= {"xla", "triton"}
+    assert all(r["median_ms"] > 0 for r in rows)
+    if importlib.util.find_spec("matplotlib") is not None:
+        # One plot per op of the module (rows carry their op).
+        for op in ("causal_conv1d", "causal_conv1d_update", "gated_rms_norm"):
+            assert (tmp_path / f"{plots.slug(payload['device'])}_{op}.png").stat().st_size > 0
+    # A second run of one module keeps the other's entry.
+    run_all.run(("no_such_module",), quick=True, out_dir=tmp_path, echo=False)
+    assert list(json.loads(path.read_text())["modules"]) == ["conv1d", "no_such_module"]

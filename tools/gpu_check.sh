@@ -2,10 +2,12 @@
 # GPU check: the whole test suite (GPU-marked tests included), the demo, then every
 # benchmark, on a machine whose python3 already has JAX with CUDA (no network, no installs).
 #
-#   tools/gpu_check.sh OUT_DIR [pytest args...]
+#   [STAGES="tests demo bench"] [BENCHMARKS="ssd conv1d attention model"] \
+#   [BENCH_TIMEOUT=300] [TESTS_TIMEOUT=3000] tools/gpu_check.sh OUT_DIR [pytest args...]
 #
-# Writes env.txt, tests.log, demo.log, bench.log and <benchmark>.json under OUT_DIR.
-# Exits non-zero when the tests fail (benchmarks still run, so one call gives everything).
+# Writes env.txt, tests.log, demo.log, bench.log and, through benchmarks.run_all,
+# results/<device>.json with its PNG plots under OUT_DIR (copy them to benchmarks/results/).
+# Exits non-zero when the tests fail (later stages still run, so one call gives everything).
 set -uo pipefail
 out=${1:?usage: tools/gpu_check.sh OUT_DIR [pytest args...]}
 shift
@@ -13,6 +15,11 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONPATH=. JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python=${PYTHON:-python3}
+stages=${STAGES:-tests demo bench}
+benchmarks=${BENCHMARKS:-ssd conv1d attention model}
+bench_timeout=${BENCH_TIMEOUT:-300}
+tests_timeout=${TESTS_TIMEOUT:-3000}
+status=0
 
 {
   date -u
@@ -20,18 +27,30 @@ python=${PYTHON:-python3}
   $python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
 } 2>&1 | tee "$out/env.txt"
 
-# pytest-timeout is on the GPU image: a hung test fails alone instead of eating the lease.
-$python -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 "$@" 2>&1 \
-  | tee "$out/tests.log"
-status=${PIPESTATUS[0]}
-
-$python -m flax_models.demo 2>&1 | tee "$out/demo.log"
-
-: > "$out/bench.log"
-for module in ssd conv1d attention model; do
-  if [ -f "benchmarks/$module.py" ]; then
-    $python -m "benchmarks.$module" --out "$out/$module.json" 2>&1 | tee -a "$out/bench.log"
-  fi
+for stage in $stages; do
+  case $stage in
+    tests)
+      # pytest-timeout is on the GPU image: a hung test fails alone instead of eating the lease.
+      timeout "$tests_timeout" $python -m pytest -q -p no:cacheprovider --timeout=240 \
+        --durations=15 -rfE "$@" > "$out/tests.log" 2>&1
+      status=$?
+      tail -n 40 "$out/tests.log"
+      ;;
+    demo)
+      timeout 300 $python -m flax_models.demo > "$out/demo.log" 2>&1
+      tail -n 30 "$out/demo.log"
+      ;;
+    bench)
+      # One module per call, so each gets its own time limit; run_all merges them.
+      for module in $benchmarks; do
+        timeout $((bench_timeout + 10)) $python -m benchmarks.run_all --out-dir "$out/results" \
+          --modules "$module" --timeout "$bench_timeout" >> "$out/bench.log" 2>&1 \
+          || echo "benchmarks.$module failed ($?)" >> "$out/bench.log"
+      done
+      grep -v '^\s*$' "$out/bench.log" | tail -n 80
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
 done
 echo "tests exit status: $status"
 exit "$status"

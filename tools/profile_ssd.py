@@ -22,7 +22,10 @@ from pallas_kernels.ssd import triton as ssd_triton
 CANDIDATES = [
     dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
     dict(block_m=64, block_k=32, num_warps=4, num_stages=3),
-    dict(block_m=128, block_k=64, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_m=128, block_k=64, num_warps=8, num_stages=2),
+    dict(block_m=128, block_k=32, num_warps=8, num_stages=3),
+    dict(block_m=64, block_k=32, num_warps=4, num_stages=2),
 ]
 
 

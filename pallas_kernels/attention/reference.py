@@ -1,10 +1,12 @@
 """Pure ``jax.numpy`` attention over a slot-indexed KV cache: the ``xla`` implementation.
 
-Queries are processed in blocks of ``block_q`` packed tokens (``lax.map``), each token
-against its own slot's keys with a mask built from its absolute position:
-``j < kv_len``, ``j <= pos`` (causal) and ``j > pos - W`` (sliding window). Masked keys and
-values are replaced by zeros before any arithmetic, so whatever lies in the cache tail (NaN
-in the tests) never reaches the output.
+Queries are taken in blocks of ``block_q`` packed rows aligned to sequence starts (a block
+never holds two sequences, as in the kernels), one block per step of a ``lax.scan``: the
+block gathers its slot's keys and values once, ``[L, Hkv, D]``, and masks each row by its
+absolute position ``kv_lens[b] − q_len[b] + i``: ``j < kv_len``, ``j <= pos`` (causal) and
+``j > pos − W`` (sliding window). Masked keys and values are replaced by zeros before any
+arithmetic, so whatever lies in the cache tail (NaN in the tests) never reaches the output.
+Memory per step is bounded by one slot's cache and ``[Hq, block_q, L]`` logits, whatever T.
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import matmul_precision, slot_gather_index
-from pallas_kernels.attention._layout import token_layout
+from pallas_kernels._common import matmul_precision
+from pallas_kernels._pallas import next_power_of_2
+from pallas_kernels.metadata import sequence_block_table
 
-# Bytes of gathered keys (or values) per query block; bounds the reference's memory.
-_GATHER_BYTES = 1 << 27
+_MAX_BLOCK_Q = 128
+
+
+def default_block_q(num_tokens: int, num_seqs: int) -> int:
+    """About the mean query length (1 for decode), at most 128 rows."""
+    return min(_MAX_BLOCK_Q, next_power_of_2(max(1, num_tokens // max(num_seqs, 1))))
 
 
 def masked_tail_attention(
@@ -34,54 +41,64 @@ def masked_tail_attention(
     """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated."""
     f32 = jnp.float32
     num_tokens, num_q_heads, head_dim = q.shape
-    cache_len, num_kv_heads = k_cache.shape[1:3]
+    num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    num_seqs = slot_ids.shape[0]
     group = num_q_heads // num_kv_heads
     precision = matmul_precision(q.dtype)
-    layout = token_layout(num_tokens, query_start_loc, kv_lens, slot_ids)
-
-    row_bytes = cache_len * num_kv_heads * head_dim * 4
-    block_q = max(1, min(num_tokens, _GATHER_BYTES // row_bytes))
-    num_blocks = -(-num_tokens // block_q)
-    pad = num_blocks * block_q - num_tokens
-
-    def blocks(a, fill=0):
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
-        return a.reshape(num_blocks, block_q, *a.shape[1:])
-
+    block_q = min(default_block_q(num_tokens, num_seqs), num_tokens)
+    num_blocks = -(-num_tokens // block_q) + num_seqs
+    block_seq, block_row = sequence_block_table(
+        query_start_loc, block_size=block_q, num_blocks=num_blocks
+    )
+    # block_q spare rows at the end keep every block's slice in bounds (no clamping).
+    q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     key_pos = jnp.arange(cache_len)
+    offsets = jnp.arange(block_q)
 
-    def attend(block):
-        q_b, pos, kv_len, slot, live = block
-        visible = (key_pos[None, :] < kv_len[:, None]) & live[:, None]  # [bq, L]
+    def attend(out, block):
+        seq, row0 = block
+        b = jnp.maximum(seq, 0)
+        slot = slot_ids[b]
+        seq_start, seq_end = query_start_loc[b], query_start_loc[b + 1]
+        kv_len = kv_lens[b]
+        rows = row0 + offsets
+        live = (seq >= 0) & (slot >= 0) & (rows < seq_end)  # [bq]
+        pos = kv_len - (seq_end - seq_start) + rows - seq_start
+        visible = (key_pos[None, :] < kv_len) & live[:, None]  # [bq, L]
         if causal:
             visible &= key_pos[None, :] <= pos[:, None]
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
-        keep = visible[:, :, None, None]
-        k = jnp.where(keep, k_cache[slot_gather_index(slot)], 0).astype(f32)  # [bq, L, Hkv, D]
-        v = jnp.where(keep, v_cache[slot_gather_index(slot)], 0).astype(f32)
-        q_g = q_b.astype(f32).reshape(block_q, num_kv_heads, group, head_dim)
-        logits = jnp.einsum("thrd,tlhd->thrl", q_g, k, precision=precision) * sm_scale
-        mask = visible[:, None, None, :]
+        key_live = (key_pos < kv_len)[:, None, None]
+        slot_c = jnp.clip(slot, 0, num_slots - 1)
+        k = jnp.where(key_live, k_cache[slot_c], 0)  # [L, Hkv, D]
+        v = jnp.where(key_live, v_cache[slot_c], 0).astype(f32)
+        q_b = jax.lax.dynamic_slice_in_dim(q_padded, row0, block_q)
+        q_g = q_b.reshape(block_q, num_kv_heads, group, head_dim)
+        logits = jnp.einsum(
+            "thrd,lhd->hrtl", q_g, k, precision=precision, preferred_element_type=f32
+        )
+        logits = logits * sm_scale
+        mask = visible[None, None]
         logits = jnp.where(mask, logits, -jnp.inf)
         row_max = jnp.max(logits, axis=-1, keepdims=True)
         # Rows with no visible key: max is -inf; any finite shift keeps exp() at 0.
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
         p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum("thrl,tlhd->thrd", p, v, precision=precision) / jnp.maximum(
-            denom, jnp.finfo(f32).tiny
+        o = jnp.einsum(
+            "hrtl,lhd->thrd",
+            p / jnp.maximum(denom, jnp.finfo(f32).tiny),
+            v,
+            precision=matmul_precision(f32),
         )
-        return out.reshape(block_q, num_q_heads, head_dim).astype(q.dtype)
+        o = o.reshape(block_q, num_q_heads, head_dim).astype(q.dtype)
+        # Rows past the sequence belong to the next block: keep what is there.
+        old = jax.lax.dynamic_slice_in_dim(out, row0, block_q)
+        o = jnp.where(live[:, None, None], o, old)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, row0, 0), None
 
-    out = jax.lax.map(
-        attend,
-        (
-            blocks(q),
-            blocks(layout.position),
-            blocks(layout.kv_len),
-            blocks(layout.slot, fill=-1),
-            blocks(layout.live, fill=False),
-        ),
-    )
-    return out.reshape(num_blocks * block_q, num_q_heads, head_dim)[:num_tokens]
+    # Rows no sequence owns (bucket padding, slot -1) stay zero.
+    out = jnp.zeros((num_tokens + block_q, num_q_heads, head_dim), q.dtype)
+    out, _ = jax.lax.scan(attend, out, (block_seq, block_row))
+    return out[:num_tokens]

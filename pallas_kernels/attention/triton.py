@@ -9,7 +9,7 @@ running row max ``m``, row sum ``l`` and unnormalised output ``acc`` — rescali
 
 Launches:
 
-1. ``attention_prefill`` (grid: query block × KV head). A table built in the wrapper maps
+1. ``attention_prefill`` (grid: KV head × query block). A table built in the wrapper maps
    each of ``max_q_blocks = cdiv(T, block_q) + B`` programs to (sequence, first packed
    row); blocks start at their sequence's first row, so a block never mixes sequences.
    The ``group = Hq / Hkv`` query heads sharing a KV head form one Q tile of
@@ -23,16 +23,20 @@ Launches:
             lo                     max(p1 - W + 1, 0)   min(kv_len, p0 + 1)          hi
 
    KV blocks at or past ``kv_len``, wholly above the diagonal or wholly left of the window
-   are never loaded; only the boundary blocks are masked. Programs past the table's live
-   count exit at once; extra programs after the table zero the rows no sequence owns.
-2. ``attention_decode`` (grid: token × KV head × KV split), used when the packed batch is
+   are never loaded; only the boundary blocks are masked. The table's unused entries zero
+   the packed rows no sequence owns (past ``query_start_loc[-1]``). Programs are ordered
+   by their number of KV blocks, longest first, with the KV head as the fastest grid axis:
+   the GPU starts the longest programs (every head of them) first and ends on short ones
+   (longest-processing-time-first scheduling; matters for ragged and chunked batches).
+2. ``attention_decode`` (grid: KV head × token × KV split), used when the packed batch is
    decode-shaped (``T <= B``, static). Flash-decoding (Dao, Haziza, Massa, Sizov,
    "Flash-Decoding for long-context inference", 2023): each token's visible keys are cut
    into ``split_k``-key splits processed in parallel, each writing a partial
    ``(m, l, acc)``. Splits outside the token's visible range exit without loading
    anything, so the number of working splits follows ``kv_lens`` at run time. Every
    token's sequence and position come from the packed layout: any layout is correct.
-3. ``attention_decode_combine`` (grid: token × KV head): merges the token's live splits,
+3. ``attention_decode_combine`` (grid: KV head × token): merges the token's live splits,
+   a few per step (their loads overlap):
    ``out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s`` with ``M = max_s m_s``.
 
 ``write_kv`` (grid: token) copies each token's keys and values to its slot and position,
@@ -59,7 +63,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, dot, next_power_of_2
+from pallas_kernels._common import matmul_precision
+from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, next_power_of_2
 from pallas_kernels.attention._layout import token_layout
 
 # Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
@@ -77,24 +82,38 @@ _LOG2E: Final = math.log2(math.e)
 NO_WINDOW: Final = 1 << 30
 # Streaming multiprocessors assumed when no GPU is attached (H100 SXM); see _num_sms().
 _DEFAULT_NUM_SMS: Final = 132
-# Bytes of one K (or V) tile in shared memory; with Q, double buffering and the fp32
-# accumulator in registers this keeps a program well inside the 228 KiB of an H100/H200 SM.
+# Bytes of one K (or V) tile in shared memory (64 keys at D=128 bf16) and of the Q tile
+# (128 rows at D=128 bf16): with three pipeline stages of K and V, Q takes
+# 32 + 3 * 2 * 16 = 128 KiB of the 227 KiB an H100/H200 block may use.
 _KV_TILE_BYTES: Final = 16 * 1024
 _Q_TILE_BYTES: Final = 32 * 1024
+# Largest Q tile rows: the fp32 accumulator of 128 rows x 128 dims is 64 registers per
+# thread at 8 warps (FlashAttention-2's Triton kernels use BLOCK_M = 128 on Hopper).
+_MAX_Q_ROWS: Final = 128
+# Shared memory a block may use on Hopper (227 KiB), less room for Triton's scratch
+# (reductions, layout conversions): the heuristics keep their pipelines under it.
+_SMEM_BUDGET_BYTES: Final = 200 * 1024
+# Elements of one combine step's [splits, group, head dim] fp32 tile: 8 splits at
+# group 4, D = 128, i.e. 32 per thread at 4 warps.
+_COMBINE_TILE_ELEMS: Final = 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
-    """Tiling and launch parameters of the prefill and decode attention kernels."""
+    """Tiling and launch parameters of the prefill and decode attention kernels.
 
-    block_q: int = 64  # query tokens per prefill program (Q tile rows: block_q × padded group)
+    Field defaults are the heuristic's choice for D = 128, bf16, 4 query heads per KV head
+    on a long cache; :func:`default_block_sizes` picks per problem.
+    """
+
+    block_q: int = 32  # query tokens per prefill program (Q tile rows: block_q × padded group)
     block_k: int = 64  # keys per step of the prefill KV loop
-    num_warps: int = 4  # warps per prefill program
-    num_stages: int = 2  # software-pipelining depth of the prefill KV loop
-    split_k: int = 512  # keys per decode split (flash-decoding)
+    num_warps: int = 8  # warps per prefill program
+    num_stages: int = 3  # software-pipelining depth of the prefill KV loop
+    split_k: int = 1024  # keys per decode split (flash-decoding)
     decode_block_k: int = 64  # keys per step of a decode split's loop
     decode_num_warps: int = 4  # warps per decode program
-    decode_num_stages: int = 2  # software-pipelining depth of a decode split's loop
+    decode_num_stages: int = 3  # software-pipelining depth of a decode split's loop
 
     def __post_init__(self):
         if self.block_q < 1 or self.block_q & (self.block_q - 1):
@@ -142,6 +161,21 @@ def _compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """``a @ b`` (``b`` transposed with ``trans_b``) accumulated in fp32.
+
+    bf16/fp16 operands take the tensor cores' native path (default precision); fp32
+    operands ask for IEEE fp32 products (``HIGHEST``), where Triton would use tf32.
+    """
+    return jax.lax.dot_general(
+        a,
+        b,
+        (((1,), (1 if trans_b else 0,)), ((), ())),
+        precision=matmul_precision(a.dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
 def _load(ref, mask):
     """``ref[...]``, masked (``other=0``) when ``mask`` is given."""
     if mask is None:
@@ -159,7 +193,7 @@ def _softmax_step(carry, q, k, v, visible, qk_scale):
     ``qk_scale = sm_scale * log2(e)``, so ``m`` is in log2 units.
     """
     m, l, acc = carry
-    s = dot(q, k, trans_b=True) * qk_scale  # [M, bk]
+    s = _dot(q, k, trans_b=True) * qk_scale  # [M, bk]
     if visible is not None:
         s = jnp.where(visible, s, _MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -168,7 +202,7 @@ def _softmax_step(carry, q, k, v, visible, qk_scale):
     if visible is not None:
         p = jnp.where(visible, p, 0.0)  # all-masked rows: 2^(finfo.min - finfo.min) = 1
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
     return m_new, l, acc
 
 
@@ -232,7 +266,7 @@ def _kv_step(
 
 
 def _prefill_kernel(
-    prog_seq_ref,  # [max_q_blocks] int32: the program's sequence, -1 past the live count
+    prog_seq_ref,  # [max_q_blocks] int32: the program's sequence, -1 for a zeroing program
     prog_row_ref,  # [max_q_blocks] int32: its first packed query row
     seq_end_ref,  # [B] int32: query_start_loc[b + 1] clipped to [0, T]
     seq_offset_ref,  # [B] int32: packed row r of sequence b sits at position r + offset
@@ -251,8 +285,9 @@ def _prefill_kernel(
     block_k: int,
     compute_dtype,
 ):
-    p, h = pl.program_id(0), pl.program_id(1)
-    max_q_blocks = prog_seq_ref.shape[0]
+    # NOTE: the KV head is grid axis 0, the fastest-varying one in launch order, so every
+    # head of the longest query blocks (the table's first entries) starts first.
+    h, p = pl.program_id(0), pl.program_id(1)
     bg, bd = next_power_of_2(group), block_dim(head_dim, MIN_DOT_DIM)
     rows = block_q * bg  # Q tile rows: (query, head of the group), query-major
     head0 = h * group
@@ -270,95 +305,87 @@ def _prefill_kernel(
         )
 
     zeros = jnp.zeros((block_q, bg, bd), o_ref.dtype)
+    seq, row0 = prog_seq_ref[p], prog_row_ref[p]
 
-    @pl.when(p < max_q_blocks)
-    def _table_program():
-        seq = prog_seq_ref[p]
+    # Table entries no query block uses zero the bucket rows no sequence owns: the
+    # wrapper gives them rows [total + k * block_q, ...), k = 0, 1, ... (row0 >= total).
+    @pl.when((seq < 0) & (row0 < o_ref.shape[0]))
+    def _zero_unowned_rows():
+        store(row0, row0 + jnp.arange(block_q) < o_ref.shape[0], zeros)
 
-        @pl.when(seq >= 0)
-        def _live_program():
-            row0 = prog_row_ref[p]
-            row_end = seq_end_ref[seq]
-            row_live = row0 + jnp.arange(block_q) < row_end
-            slot = seq_slot_ref[seq]
+    @pl.when(seq >= 0)
+    def _live_program():
+        row_end = seq_end_ref[seq]
+        row_live = row0 + jnp.arange(block_q) < row_end
+        slot = seq_slot_ref[seq]
 
-            @pl.when(slot < 0)
-            def _padding_sequence():
-                store(row0, row_live, zeros)
+        @pl.when(slot < 0)
+        def _padding_sequence():
+            store(row0, row_live, zeros)
 
-            @pl.when(slot >= 0)
-            def _attend():
-                kv_len = seq_kv_len_ref[seq]
-                qk_scale, left, right = scale_ref[0], band_ref[0], band_ref[1]
-                pos_first = row0 + seq_offset_ref[seq]
-                pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
-                pos = pos_first + jnp.arange(rows) // bg  # [rows]
-                # Keys visible to some row: [lo, hi); to every row: [full_lo, full_hi).
-                hi = jnp.clip(pos_last + right + 1, 0, kv_len)
-                full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
-                lo = jnp.maximum(pos_first - left + 1, 0)
-                full_lo = jnp.maximum(pos_last - left + 1, 0)
-                bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
+        @pl.when(slot >= 0)
+        def _attend():
+            kv_len = seq_kv_len_ref[seq]
+            qk_scale, left, right = scale_ref[0], band_ref[0], band_ref[1]
+            pos_first = row0 + seq_offset_ref[seq]
+            pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
+            pos = pos_first + jnp.arange(rows) // bg  # [rows]
+            # Keys visible to some row: [lo, hi); to every row: [full_lo, full_hi).
+            hi = jnp.clip(pos_last + right + 1, 0, kv_len)
+            full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
+            lo = jnp.maximum(pos_first - left + 1, 0)
+            full_lo = jnp.maximum(pos_last - left + 1, 0)
+            bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
 
-                q = _load(
-                    q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(0, bd)],
-                    tile_mask(row_live),
+            q = _load(
+                q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(0, bd)],
+                tile_mask(row_live),
+            )
+            q = q.astype(compute_dtype).reshape(rows, bd)
+
+            def kv_block(j, carry, *, masked):
+                start = j * block_k
+                visible = None
+                if masked:
+                    keys = start + jnp.arange(block_k)
+                    visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
+                    visible &= keys[None, :] <= pos[:, None] + right
+                    visible &= keys[None, :] > pos[:, None] - left
+                return _kv_step(
+                    carry,
+                    q,
+                    k_ref,
+                    v_ref,
+                    slot=slot,
+                    start=start,
+                    h=h,
+                    block_k=block_k,
+                    head_dim=head_dim,
+                    kv_len=kv_len,
+                    masked=masked,
+                    visible=visible,
+                    qk_scale=qk_scale,
                 )
-                q = q.astype(compute_dtype).reshape(rows, bd)
 
-                def kv_block(j, carry, *, masked):
-                    start = j * block_k
-                    visible = None
-                    if masked:
-                        keys = start + jnp.arange(block_k)
-                        visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
-                        visible &= keys[None, :] <= pos[:, None] + right
-                        visible &= keys[None, :] > pos[:, None] - left
-                    return _kv_step(
-                        carry,
-                        q,
-                        k_ref,
-                        v_ref,
-                        slot=slot,
-                        start=start,
-                        h=h,
-                        block_k=block_k,
-                        head_dim=head_dim,
-                        kv_len=kv_len,
-                        masked=masked,
-                        visible=visible,
-                        qk_scale=qk_scale,
-                    )
-
-                carry = (
-                    jnp.full((rows,), _MASK_VALUE, jnp.float32),
-                    jnp.zeros((rows,), jnp.float32),
-                    jnp.zeros((rows, bd), jnp.float32),
-                )
-                _, l, acc = _kv_loop(kv_block, carry, *bounds)
-                out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
-                store(row0, row_live, out.reshape(block_q, bg, bd))
-
-    # Programs after the table zero the bucket rows no sequence owns: [total, T).
-    @pl.when(p >= max_q_blocks)
-    def _tail():
-        total = seq_end_ref[seq_end_ref.shape[0] - 1]
-        row0 = (p - max_q_blocks) * block_q
-        row_ids = row0 + jnp.arange(block_q)
-
-        @pl.when(row0 + block_q > total)
-        def _():
-            store(row0, (row_ids >= total) & (row_ids < o_ref.shape[0]), zeros)
+            carry = (
+                jnp.full((rows,), _MASK_VALUE, jnp.float32),
+                jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, bd), jnp.float32),
+            )
+            _, l, acc = _kv_loop(kv_block, carry, *bounds)
+            out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
+            store(row0, row_live, out.reshape(block_q, bg, bd))
 
 
 def prefill_table(
     query_start_loc: jax.Array, *, num_tokens: int, block_q: int, max_q_blocks: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Program → (sequence, first packed row) for the prefill grid (jittable, no host sync).
+    """Table entry → (sequence, first packed row) of the prefill query blocks (jittable, no
+    host sync); :func:`prefill_schedule` then puts the entries in launch order.
 
     Query blocks start at each sequence's first row and are numbered along the packed
-    rows; programs take them in reverse, so under the causal mask a sequence's heaviest
-    blocks (its last) start first and the grid ends on light ones. Example,
+    rows; entries take them in reverse (a sequence's last blocks, the heaviest under the
+    causal mask, first). Example,
     ``block_q = 4``, ``query_start_loc = [0, 5, 6, 6, 14]``, T = 16 (B = 4,
     ``max_q_blocks = cdiv(16, 4) + 4 = 8``)::
 
@@ -368,7 +395,7 @@ def prefill_table(
         seq        3   3  1  0  0  -1 -1 -1
         first row  10  6  5  4  0   0  0  0
 
-    Programs 5-7 exit; the tail programs zero rows [14, 16).
+    Entries 5-7 are unused (:func:`prefill_schedule` makes them zero rows [14, 16)).
 
     Returns:
       ``(prog_seq, prog_row)``, int32[max_q_blocks] each; ``prog_seq`` is -1 past the live
@@ -387,6 +414,62 @@ def prefill_table(
     first_block = block_ends[seq_c] - num_blocks[seq_c]
     row = starts[seq_c] + (block - first_block) * block_q
     return jnp.where(live, seq, -1), jnp.where(live, row, 0).astype(jnp.int32)
+
+
+def prefill_schedule(
+    prog_seq: jax.Array,
+    prog_row: jax.Array,
+    *,
+    seq_end: jax.Array,
+    seq_offset: jax.Array,
+    seq_kv_len: jax.Array,
+    seq_slot: jax.Array,
+    band: jax.Array,
+    block_q: int,
+    block_k: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The prefill table (:func:`prefill_table`) in launch order (jittable, no host sync).
+
+    A live entry costs its number of KV blocks (the kernel's loop bounds), a padding
+    sequence's entry 0; entries are sorted by cost, longest first (stable), so the GPU
+    starts the longest programs first and ends on short ones (longest-processing-time-first
+    scheduling). Unused entries (-1) go last and zero the rows no sequence owns: the k-th
+    takes rows ``[total + k * block_q, total + (k + 1) * block_q)``, ``total`` the last
+    sequence end; there are always enough of them, since a sequence of ``n > 0`` rows
+    uses ``cdiv(n, block_q) < n / block_q + 1`` of the ``cdiv(T, block_q) + B`` entries.
+    Example, the :func:`prefill_table` example with ``kv_lens = [5, 1, 0, 8]`` (no cached
+    keys), causal, ``block_k = 4``::
+
+        entry        0   1   2   3   4   5   6   7      (prefill_table order)
+        seq          3   3   1   0   0  -1  -1  -1
+        first row   10   6   5   4   0   0   0   0
+        positions  4-7 0-3   0   4 0-3   -   -   -
+        KV blocks    2   1   1   2   1   -   -   -
+
+        launch order 0   3   1   2   4   5   6   7
+        seq          3   0   3   1   0  -1  -1  -1
+        first row   10   4   6   5   0  14  18  22   (rows [14, 16) get zeroed)
+
+    Arguments are the kernel's per-sequence operands (see ``_prefill_kernel``) and
+    ``band = (left, right)`` (:func:`band_operand`).
+
+    Returns:
+      ``(prog_seq, prog_row)`` reordered, unused entries' rows filled in.
+    """
+    num_seqs = seq_end.shape[0]
+    live = prog_seq >= 0
+    seq = jnp.clip(prog_seq, 0, num_seqs - 1)
+    # The kernel's bounds (see _prefill_kernel): keys [lo, hi) are visible to some row.
+    pos_first = prog_row + seq_offset[seq]
+    pos_last = pos_first + jnp.minimum(block_q, seq_end[seq] - prog_row) - 1
+    hi = jnp.clip(pos_last + band[1] + 1, 0, seq_kv_len[seq])
+    lo = jnp.maximum(pos_first - band[0] + 1, 0)
+    num_kv_blocks = jnp.where(hi > lo, (hi + block_k - 1) // block_k - lo // block_k, 0)
+    cost = jnp.where(live, jnp.where(seq_slot[seq] >= 0, num_kv_blocks, 0), -1)
+    unused_index = jnp.cumsum(~live) - 1
+    row = jnp.where(live, prog_row, seq_end[num_seqs - 1] + unused_index * block_q)
+    order = jnp.argsort(-cost, stable=True)
+    return prog_seq[order], row[order].astype(jnp.int32)
 
 
 def prefill_attention(
@@ -413,16 +496,27 @@ def prefill_attention(
             f"{MIN_DOT_DIM} (the smallest Triton dot dimension)"
         )
     max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
-    tail_programs = pl.cdiv(s.num_tokens, b.block_q)
     prog_seq, prog_row = prefill_table(
         query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
     )
     starts = query_start_loc[:-1]
     q_len = query_start_loc[1:] - starts
-    seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens)
-    seq_offset = kv_lens - q_len - starts
-    seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len)
+    seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
+    seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
+    seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
     seq_slot = _checked_slots(slot_ids, s.num_slots)
+    band = band_operand(causal, sliding_window)
+    prog_seq, prog_row = prefill_schedule(
+        prog_seq,
+        prog_row,
+        seq_end=seq_end,
+        seq_offset=seq_offset,
+        seq_kv_len=seq_kv_len,
+        seq_slot=seq_slot,
+        band=band,
+        block_q=b.block_q,
+        block_k=b.block_k,
+    )
     return pl.pallas_call(
         functools.partial(
             _prefill_kernel,
@@ -432,20 +526,23 @@ def prefill_attention(
             block_k=b.block_k,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         ),
-        grid=(max_q_blocks + tail_programs, s.num_kv_heads),
+        grid=(s.num_kv_heads, max_q_blocks),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(b.num_warps, b.num_stages),
         interpret=interpret,
-        name=f"attention_prefill_bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}",
+        name=(
+            f"attention_prefill_bq{b.block_q}_bk{b.block_k}_w{b.num_warps}_s{b.num_stages}"
+            f"_g{s.group}_d{s.head_dim}"
+        ),
     )(
         prog_seq,
         prog_row,
-        seq_end.astype(jnp.int32),
-        seq_offset.astype(jnp.int32),
-        seq_kv_len.astype(jnp.int32),
+        seq_end,
+        seq_offset,
+        seq_kv_len,
         seq_slot,
         _scale_operand(sm_scale),
-        band_operand(causal, sliding_window),
+        band,
         q,
         k_cache,
         v_cache,
@@ -473,7 +570,9 @@ def _decode_kernel(
     block_k: int,
     compute_dtype,
 ):
-    t, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # NOTE: the KV head is the fastest grid axis: the Hkv programs of one token and split
+    # run together and read neighbouring bytes of the same cache rows ([L, Hkv, D]).
+    h, t, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     # Q tile rows: the group's heads, padded to 16 (the smallest Triton dot dimension).
     rows = max(next_power_of_2(group), MIN_DOT_DIM)
     bd = block_dim(head_dim, MIN_DOT_DIM)
@@ -487,6 +586,7 @@ def _decode_kernel(
     # the combine kernel reads only the live ones.
     @pl.when((slot >= 0) & (k0 < k1))
     def _():
+        qk_scale = scale_ref[0]
         q = _load(
             q_ref.at[t, pl.ds(h * group, rows), pl.ds(0, bd)],
             g_live[:, None] & d_live[None, :],
@@ -511,7 +611,7 @@ def _decode_kernel(
                 kv_len=k1,
                 masked=masked,
                 visible=visible,
-                qk_scale=scale_ref[0],
+                qk_scale=qk_scale,
             )
 
         carry = (
@@ -543,8 +643,9 @@ def _decode_combine_kernel(
     group: int,
     head_dim: int,
     split_k: int,
+    block_splits: int,
 ):
-    t, h = pl.program_id(0), pl.program_id(1)
+    h, t = pl.program_id(0), pl.program_id(1)
     bg, bd = next_power_of_2(group), acc_ref.shape[-1]
     g_live = jnp.arange(bg) < group
     d_live = jnp.arange(bd) < head_dim
@@ -555,23 +656,33 @@ def _decode_combine_kernel(
     first = lo // split_k
     last = jnp.where(live, pl.cdiv(hi, split_k), first)
 
-    def merge(split, carry):
+    # ``block_splits`` splits per step, loaded together (their loads overlap); splits at or
+    # past ``last`` (never written) are masked: m = finfo.min, l = acc = 0.
+    def merge(i, carry):
         m, l, acc = carry
-        m_s = plgpu.load(m_ref.at[t, h, split, pl.ds(0, bg)], mask=g_live, other=_MASK_VALUE)
-        l_s = _load(l_ref.at[t, h, split, pl.ds(0, bg)], g_live)
-        acc_s = _load(
-            acc_ref.at[t, h, split, pl.ds(0, bg), :], jnp.broadcast_to(g_live[:, None], (bg, bd))
+        s0 = first + i * block_splits
+        mask = ((s0 + jnp.arange(block_splits)) < last)[:, None] & g_live[None, :]  # [C, bg]
+        m_s = plgpu.load(
+            m_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(0, bg)], mask=mask, other=_MASK_VALUE
         )
-        m_new = jnp.maximum(m, m_s)
-        alpha, beta = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-        return m_new, l * alpha + l_s * beta, acc * alpha[:, None] + acc_s * beta[:, None]
+        l_s = _load(l_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(0, bg)], mask)
+        acc_s = _load(
+            acc_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(0, bg), :],
+            jnp.broadcast_to(mask[:, :, None], (block_splits, bg, bd)),
+        )
+        m_new = jnp.maximum(m, jnp.max(m_s, axis=0))
+        alpha = jnp.exp2(m - m_new)  # [bg]
+        beta = jnp.exp2(m_s - m_new[None, :])  # [C, bg]
+        l = l * alpha + jnp.sum(l_s * beta, axis=0)
+        acc = acc * alpha[:, None] + jnp.sum(acc_s * beta[:, :, None], axis=0)
+        return m_new, l, acc
 
     carry = (
         jnp.full((bg,), _MASK_VALUE, jnp.float32),
         jnp.zeros((bg,), jnp.float32),
         jnp.zeros((bg, bd), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(first, last, merge, carry)
+    _, l, acc = jax.lax.fori_loop(0, pl.cdiv(last - first, block_splits), merge, carry)
     out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
     plgpu.store(o_ref.at[t, pl.ds(h * group, bg), pl.ds(0, bd)], out.astype(o_ref.dtype), mask=tile)
 
@@ -617,7 +728,7 @@ def decode_attention(
             block_k=b.decode_block_k,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         ),
-        grid=(s.num_tokens, s.num_kv_heads, num_splits),
+        grid=(s.num_kv_heads, s.num_tokens, num_splits),
         out_shape=(
             jax.ShapeDtypeStruct(partial_rows, f32),
             jax.ShapeDtypeStruct(partial_rows, f32),
@@ -625,17 +736,29 @@ def decode_attention(
         ),
         compiler_params=_compiler_params(b.decode_num_warps, b.decode_num_stages),
         interpret=interpret,
-        name=f"attention_decode_split{split_k}_bk{b.decode_block_k}_g{s.group}_d{s.head_dim}",
+        name=(
+            f"attention_decode_split{split_k}_bk{b.decode_block_k}_w{b.decode_num_warps}"
+            f"_s{b.decode_num_stages}_g{s.group}_d{s.head_dim}"
+        ),
     )(*tokens, _scale_operand(sm_scale), q, k_cache, v_cache)
+    block_splits = min(
+        block_dim(num_splits), max(1, _COMBINE_TILE_ELEMS // (s.block_group * s.block_d))
+    )
+    # At least 8 fp32 elements of the [block_splits, group, D] tile per thread.
+    combine_warps = max(1, min(4, block_splits * s.block_group * s.block_d // 256))
     return pl.pallas_call(
         functools.partial(
-            _decode_combine_kernel, group=s.group, head_dim=s.head_dim, split_k=split_k
+            _decode_combine_kernel,
+            group=s.group,
+            head_dim=s.head_dim,
+            split_k=split_k,
+            block_splits=block_splits,
         ),
-        grid=(s.num_tokens, s.num_kv_heads),
+        grid=(s.num_kv_heads, s.num_tokens),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(num_warps=1 if s.block_d <= 64 else 2, num_stages=2),
+        compiler_params=_compiler_params(num_warps=combine_warps, num_stages=2),
         interpret=interpret,
-        name=f"attention_decode_combine_split{split_k}_g{s.group}_d{s.head_dim}",
+        name=f"attention_decode_combine_split{split_k}_c{block_splits}_g{s.group}_d{s.head_dim}",
     )(*tokens, m, l, acc)
 
 
@@ -833,6 +956,20 @@ def _num_sms() -> int:
     return _DEFAULT_NUM_SMS
 
 
+def prefill_smem_bytes(block_sizes: BlockSizes, *, group: int, head_dim: int, dtype) -> int:
+    """Shared memory of the prefill kernel's tiles: the Q tile plus ``num_stages`` K and V
+    tiles (an estimate: Triton adds scratch for reductions and layout conversions)."""
+    b, bd = block_sizes, block_dim(head_dim, MIN_DOT_DIM)
+    rows = b.block_q * next_power_of_2(group)
+    return (rows + 2 * b.num_stages * b.block_k) * bd * jnp.dtype(dtype).itemsize
+
+
+def decode_smem_bytes(block_sizes: BlockSizes, *, head_dim: int, dtype) -> int:
+    """Shared memory of a decode program's ``decode_num_stages`` K and V tiles (estimate)."""
+    b, bd = block_sizes, block_dim(head_dim, MIN_DOT_DIM)
+    return 2 * b.decode_num_stages * b.decode_block_k * bd * jnp.dtype(dtype).itemsize
+
+
 def default_block_sizes(
     *,
     num_tokens: int,
@@ -845,36 +982,39 @@ def default_block_sizes(
 ) -> BlockSizes:
     """Heuristic tiling from the shapes, dtype and device.
 
-    Prefill (FlashAttention-2 style tiles):
-      * K/V tiles of at most 16 KiB (64 keys at D=128 bf16, 32 at D=256 or fp32): with
-        double buffering and the Q tile they stay well inside an SM's shared memory.
-      * Q tiles of at most 32 KiB, at most 128 rows (128 at D<=128 bf16, 64 at D=256): the
-        fp32 accumulator then takes <= 64 registers per thread at 8 warps.
+    Prefill (FlashAttention-2 style tiles; the Triton FlashAttention kernels on Hopper use
+    BLOCK_M = 128, BLOCK_N = 64, 8 warps, 3 stages at D = 128):
+      * K/V tiles of at most 16 KiB, at most 64 keys (64 at D<=128 bf16, 32 at D=256 or
+        fp32 D=128).
+      * Q tiles of at most 32 KiB, at most 128 rows (128 at D<=128 bf16, 64 at D=256 or
+        fp32): the fp32 accumulator then takes <= 64 registers per thread at 8 warps.
       * ``block_q`` = Q rows / padded GQA group, never below 16 / group (Triton's smallest
         dot) and never above T. Not lowered for short sequences: a block holding one
         decode row costs the same KV loads as a full one, and the tensor cores have time
         to spare while those loads stream.
-      * 8 warps once the accumulator passes 8K fp32 elements, else 4; three pipeline
-        stages at D <= 64 (small tiles), else two.
-    Decode (flash-decoding):
-      * K/V tiles of at most 32 KiB per loop step (128 keys at D=128 bf16): one query row
-        means few FLOPs per byte, so the loop is about keeping loads in flight.
+      * 8 warps once the accumulator passes 8K fp32 elements, else 4.
+      * Three pipeline stages (two KV blocks in flight while one is computed on): Q plus
+        three K and V tiles is 128 KiB at D=128 bf16; fewer if that passed the budget.
+    Decode (flash-decoding; memory-bound, so the aim is bytes in flight per SM):
+      * K/V tiles of at most 16 KiB per loop step (64 keys at D=128 bf16) with three
+        stages: 96 KiB per program, so two programs share an SM and one's prologue and
+        epilogue overlap the other's loads.
       * ``split_k``: the largest power of two <= 1024 keys that still gives
         >= 4 programs per SM when every cache line is full, and never below the loop step.
     """
     itemsize = jnp.dtype(dtype).itemsize
     bd = block_dim(head_dim, MIN_DOT_DIM)
-    bg = next_power_of_2(num_q_heads // num_kv_heads)
+    group = num_q_heads // num_kv_heads
+    bg = next_power_of_2(group)
     bl = block_dim(cache_len, MIN_DOT_DIM)
 
     block_k = min(max(_KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 64, bl)
-    q_rows = min(max(_Q_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 128)
+    q_rows = min(max(_Q_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), _MAX_Q_ROWS)
     min_block_q = max(1, MIN_DOT_DIM // bg)
     block_q = max(min(q_rows // bg, block_dim(num_tokens)), min_block_q)
     num_warps = 8 if block_q * bg * bd > 8192 else 4
-    num_stages = 3 if bd <= 64 else 2
 
-    decode_block_k = min(max(2 * _KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 128, bl)
+    decode_block_k = min(max(_KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 64, bl)
     target_programs = 4 * (num_sms or _num_sms())
     split_k = max(min(1024, bl), decode_block_k)
     while (
@@ -882,13 +1022,26 @@ def default_block_sizes(
         and num_tokens * num_kv_heads * pl.cdiv(cache_len, split_k) < target_programs
     ):
         split_k //= 2
-    return BlockSizes(
+    blocks = BlockSizes(
         block_q=block_q,
         block_k=block_k,
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=3,
         split_k=split_k,
         decode_block_k=decode_block_k,
         decode_num_warps=4,
-        decode_num_stages=2,
+        decode_num_stages=3,
     )
+    # Fewer stages where the tiles (large head dims, fp32) would pass the budget.
+    while (
+        blocks.num_stages > 1
+        and prefill_smem_bytes(blocks, group=group, head_dim=head_dim, dtype=dtype)
+        > _SMEM_BUDGET_BYTES
+    ):
+        blocks = dataclasses.replace(blocks, num_stages=blocks.num_stages - 1)
+    while (
+        blocks.decode_num_stages > 1
+        and decode_smem_bytes(blocks, head_dim=head_dim, dtype=dtype) > _SMEM_BUDGET_BYTES
+    ):
+        blocks = dataclasses.replace(blocks, decode_num_stages=blocks.decode_num_stages - 1)
+    return blocks

@@ -1,12 +1,14 @@
 """Causal depthwise conv1d (prefill and decode) as Pallas kernels lowered through Triton.
 
-Prefill (``causal_conv1d``): one program per (token block of one sequence, channel block).
-Token blocks are aligned to each sequence's start (a table built once per call maps
-program → (sequence, first packed row), like the SSD chunk layout), so a block never holds
-two sequences. Each program computes ``y = bias + Σ_k w[:, k] · x[t − (K−1) + k]`` as K
-shifted, masked tile loads (the shifted re-reads hit L1/L2); a sequence's first block takes
-its ``K−1`` row halo from the slot's conv state when ``has_initial_state``, zeros
-otherwise, and later blocks from the sequence's own earlier tokens. The first block also
+Prefill (``causal_conv1d``): one program per (channel block, token block of one sequence).
+Token blocks are aligned to each sequence's start (:func:`sequence_block_table`), so a
+block never holds two sequences. A program walks its ``block_t`` rows in order with the
+last ``K−1`` inputs in registers (a sliding window, unrolled so every row's load is
+independent and in flight at once): each input element is read from memory once, plus a
+``K−1`` row halo per block. (K shifted tile loads read every element K times through L2
+and were bound by L2 bandwidth at a third of the copy rate on an H200.) A sequence's first
+block takes its window from the slot's conv state when ``has_initial_state``, zeros
+otherwise; later blocks from the sequence's own earlier tokens. The first block also
 writes the sequence's new conv state (its last ``K−1`` inputs, shifted together with the
 old state when the sequence is shorter), so the only program that reads a slot's state is
 the one that overwrites it: no race between programs. Extra programs past the table zero
@@ -31,15 +33,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import silu
 from pallas_kernels._pallas import block_dim, static_index
+from pallas_kernels.metadata import sequence_block_table
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
     """Tiling of the conv kernels."""
 
-    block_t: int = 64  # tokens per prefill program (>= K - 1)
-    block_d: int = 128  # channels per program
-    num_warps: int = 4  # warps per program
+    block_t: int = 32  # tokens per prefill program (>= K - 1), unrolled
+    block_d: int = 256  # channels per program
+    num_warps: int = 2  # warps per program
 
     def __post_init__(self):
         for name in ("block_t", "block_d"):
@@ -51,10 +54,15 @@ class BlockSizes:
 
 
 def default_block_sizes(dim: int) -> BlockSizes:
-    """Heuristic: 64 × 128 tiles (16 KiB of bf16 per tap load, 64 fp32 accumulators per
-    thread with 4 warps); channel blocks of 128 read 256 contiguous bytes per row, and
-    T/64 × dim/128 programs fill the GPU for any real batch."""
-    return BlockSizes(block_t=64, block_d=min(128, block_dim(dim, 4)), num_warps=4)
+    """Measured on an H200 (tools/tune_conv1d.py, bamba-conv): 32 rows × 256 channels on
+    two warps, 4 channels per thread per row. One warp (8 channels per thread) or wider
+    blocks run out of registers for 32 unrolled rows and take twice as long."""
+    return BlockSizes(block_t=32, block_d=min(256, block_dim(dim, 4)), num_warps=2)
+
+
+def default_update_block_sizes(dim: int) -> BlockSizes:
+    """Decode moves few bytes per row: 256-channel blocks on 4 warps (``block_t`` unused)."""
+    return BlockSizes(block_t=4, block_d=min(256, block_dim(dim, 4)), num_warps=4)
 
 
 def _activate(y: jax.Array, activation: str | None) -> jax.Array:
@@ -70,7 +78,7 @@ def _prefill_kernel(
     qsl_ref,  # [B + 1] int32
     slot_ref,  # [B] int32
     has_state_ref,  # [B] int32 (0/1)
-    x_ref,  # [x_offset + T, dim]
+    x_ref,  # [T, dim]
     w_ref,  # [dim, K]
     bias_ref,  # [dim] or None
     cache_in_ref,  # [S, K-1, dim], aliased to cache_ref
@@ -80,16 +88,21 @@ def _prefill_kernel(
     width: int,
     block_t: int,
     block_d: int,
-    x_offset: int,
     activation: str | None,
 ):
     del cache_in_ref  # the same buffer as cache_ref
-    i, dblk = pl.program_id(0), pl.program_id(1)
+    dblk, i = pl.program_id(0), pl.program_id(1)
     num_blocks = block_seq_ref.shape[0]
     num_tokens, dim = y_ref.shape
     d0 = dblk * block_d
+    cols = pl.ds(d0, block_d)
     d_live = d0 + jnp.arange(block_d) < dim
-    offsets = jnp.arange(block_t)
+
+    def x_row(row, live):
+        """Input row ``row`` (fp32), zeros where not ``live``; the index is clamped so a
+        masked row never forms an address outside x."""
+        row = jnp.clip(row, 0, num_tokens - 1)
+        return plgpu.load(x_ref.at[row, cols], mask=d_live & live, other=0.0).astype(jnp.float32)
 
     @pl.when(i < num_blocks)
     def _block():
@@ -101,45 +114,42 @@ def _prefill_kernel(
             seq_start, seq_end = qsl_ref[b], qsl_ref[b + 1]
             slot = slot_ref[b]
             first = row0 == seq_start
-            rows_live = row0 + offsets < seq_end
-            local = row0 - seq_start + offsets
             # The slot's last K-1 inputs (oldest first), read only by the sequence's first
             # block and only with an initial state; zeros otherwise.
             use_state = first & (has_state_ref[b] != 0) & (slot >= 0)
             history = [
                 plgpu.load(
-                    cache_ref.at[jnp.maximum(slot, 0), static_index(j), pl.ds(d0, block_d)],
+                    cache_ref.at[jnp.maximum(slot, 0), static_index(j), cols],
                     mask=d_live & use_state,
                     other=0.0,
                 ).astype(jnp.float32)
                 for j in range(width - 1)
             ]
-            acc = jnp.zeros((block_t, block_d), jnp.float32)
-            if bias_ref is not None:
-                bias = plgpu.load(bias_ref.at[pl.ds(d0, block_d)], mask=d_live, other=0.0)
-                acc = acc + bias.astype(jnp.float32)[None, :]
-            for k in range(width):
-                shift = width - 1 - k  # tap k reads the input `shift` tokens back
-                w = plgpu.load(
-                    w_ref.at[pl.ds(d0, block_d), static_index(k)], mask=d_live, other=0.0
+            # The K-1 inputs before the block: its sequence's earlier tokens, or the history.
+            window = [x_row(row0 - (width - 1) + j, ~first) + history[j] for j in range(width - 1)]
+            weights = [
+                plgpu.load(w_ref.at[cols, static_index(k)], mask=d_live, other=0.0).astype(
+                    jnp.float32
                 )
-                tap = plgpu.load(
-                    x_ref.at[pl.ds(x_offset + row0 - shift, block_t), pl.ds(d0, block_d)],
-                    mask=((local >= shift) & rows_live)[:, None] & d_live[None, :],
-                    other=0.0,
-                ).astype(jnp.float32)
-                # Rows r < shift of a first block read state row K-1 + r - shift.
-                for r in range(shift):
-                    tap = tap + jnp.where(
-                        (offsets == r)[:, None], history[width - 1 + r - shift][None, :], 0.0
-                    )
-                acc = acc + tap * w.astype(jnp.float32)[None, :]
-            y = jnp.where(slot >= 0, _activate(acc, activation), 0.0)
-            plgpu.store(
-                y_ref.at[pl.ds(row0, block_t), pl.ds(d0, block_d)],
-                y.astype(y_ref.dtype),
-                mask=rows_live[:, None] & d_live[None, :],
-            )
+                for k in range(width)
+            ]
+            bias = None
+            if bias_ref is not None:
+                bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
+            for r in range(block_t):
+                row = row0 + r
+                live = row < seq_end
+                taps = (*window, x_row(row, live))
+                y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
+                if bias is not None:
+                    y = y + bias
+                y = jnp.where(slot >= 0, _activate(y, activation), 0.0)
+                plgpu.store(
+                    y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
+                    y.astype(y_ref.dtype),
+                    mask=d_live & live,
+                )
+                window = list(taps[1:])
 
             # New state: the last K-1 inputs of history ++ tokens.
             @pl.when(first & (slot >= 0))
@@ -147,15 +157,11 @@ def _prefill_kernel(
                 length = seq_end - seq_start
                 for j in range(width - 1):
                     t = length - (width - 1) + j  # position in the sequence, < 0: history
-                    column = plgpu.load(
-                        x_ref.at[x_offset + seq_start + jnp.maximum(t, 0), pl.ds(d0, block_d)],
-                        mask=d_live & (t >= 0),
-                        other=0.0,
-                    ).astype(jnp.float32)
+                    column = x_row(seq_start + t, t >= 0)
                     for h in range(width - 1):
                         column = column + jnp.where(length + j == h, history[h], 0.0)
                     plgpu.store(
-                        cache_ref.at[slot, static_index(j), pl.ds(d0, block_d)],
+                        cache_ref.at[slot, static_index(j), cols],
                         column.astype(cache_ref.dtype),
                         mask=d_live,
                     )
@@ -165,38 +171,16 @@ def _prefill_kernel(
     def _tail():
         total = qsl_ref[qsl_ref.shape[0] - 1]
         row0 = (i - num_blocks) * block_t
-        rows = row0 + offsets
+        rows = row0 + jnp.arange(block_t)
 
         @pl.when((row0 + block_t > total) & (row0 < num_tokens))
         def _():
             dead = (rows >= total) & (rows < num_tokens)
             plgpu.store(
-                y_ref.at[pl.ds(row0, block_t), pl.ds(d0, block_d)],
+                y_ref.at[pl.ds(row0, block_t), cols],
                 jnp.zeros((block_t, block_d), y_ref.dtype),
                 mask=dead[:, None] & d_live[None, :],
             )
-
-
-def token_block_table(
-    query_start_loc: jax.Array, block_t: int, num_blocks: int
-) -> tuple[jax.Array, jax.Array]:
-    """``(block_seq[num_blocks], block_row[num_blocks])``: token blocks aligned to sequence
-    starts. Example, ``block_t = 4``, ``query_start_loc = [0, 6, 6, 9]``::
-
-        block_seq = [0, 0, 2, -1, ...]     block_row = [0, 4, 6, 9, ...]
-    """
-    lengths = query_start_loc[1:] - query_start_loc[:-1]
-    blocks_per_seq = -(-lengths // block_t)
-    ends = jnp.cumsum(blocks_per_seq)
-    block = jnp.arange(num_blocks)
-    seq = jnp.searchsorted(ends, block, side="right")
-    live = block < ends[-1]
-    seq_safe = jnp.minimum(seq, lengths.shape[0] - 1)
-    row = query_start_loc[seq_safe] + (block - (ends - blocks_per_seq)[seq_safe]) * block_t
-    return (
-        jnp.where(live, seq, -1).astype(jnp.int32),
-        jnp.where(live, row, query_start_loc[-1]).astype(jnp.int32),
-    )
 
 
 def causal_conv1d(
@@ -216,23 +200,25 @@ def causal_conv1d(
     num_tokens, dim = x.shape
     width = weight.shape[1]
     num_seqs = slot_ids.shape[0]
-    blocks = block_sizes or default_block_sizes(dim)
-    block_t = max(blocks.block_t, block_dim(width - 1))
-    block_d = blocks.block_d
+    if block_sizes is None:
+        block_sizes = default_block_sizes(dim)
+        if interpret:
+            # The row loop is unrolled: interpret mode compiles every row's ops, so the
+            # CPU takes short blocks (more of them, the same code path).
+            block_sizes = dataclasses.replace(block_sizes, block_t=4)
+    block_t = max(block_sizes.block_t, block_dim(width - 1))
+    block_d = block_sizes.block_d
     num_blocks = pl.cdiv(num_tokens, block_t) + num_seqs
-    block_seq, block_row = token_block_table(query_start_loc, block_t, num_blocks)
-    # NOTE: interpret mode mis-reads masked loads whose start is negative (the first
-    # sequence's halo); on the CPU only, x gets K-1 leading rows so every start is >= 0.
-    # On the GPU those lanes are masked and never dereferenced.
-    x_offset = width - 1 if interpret else 0
-    x_in = jnp.pad(x, ((x_offset, 0), (0, 0))) if x_offset else x
+    block_seq, block_row = sequence_block_table(
+        query_start_loc, block_size=block_t, num_blocks=num_blocks
+    )
     args = (
         block_seq,
         block_row,
         query_start_loc,
         slot_ids,
         has_initial_state.astype(jnp.int32),
-        x_in,
+        x,
         weight,
         bias,
         conv_state_cache,
@@ -244,16 +230,16 @@ def causal_conv1d(
             width=width,
             block_t=block_t,
             block_d=block_d,
-            x_offset=x_offset,
             activation=activation,
         ),
-        grid=(num_blocks + pl.cdiv(num_tokens, block_t), pl.cdiv(dim, block_d)),
+        # Channel blocks vary fastest: programs in flight together read whole rows.
+        grid=(pl.cdiv(dim, block_d), num_blocks + pl.cdiv(num_tokens, block_t)),
         out_shape=(
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
         interpret=interpret,
         name=f"causal_conv1d_k{width}_bt{block_t}_bd{block_d}",
     )(*args)
@@ -348,9 +334,8 @@ def causal_conv1d_update(
     """See :func:`pallas_kernels.causal_conv1d_update`; ``x`` is ``[Bd, L, dim]`` here."""
     rows, _, dim = x.shape
     width = weight.shape[1]
-    blocks = block_sizes or default_block_sizes(dim)
-    # Decode moves few bytes per row: wider channel blocks, fewer programs.
-    block_d = min(max(blocks.block_d, 256), block_dim(dim, 4))
+    blocks = block_sizes or default_update_block_sizes(dim)
+    block_d = blocks.block_d
     args = (slot_ids, x, weight, bias, conv_state_cache)
     cache_index = sum(a is not None for a in args) - 1
     return pl.pallas_call(

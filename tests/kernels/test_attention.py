@@ -719,6 +719,29 @@ def test_prefill_table_worked_example():
     np.testing.assert_array_equal(prog_row, [10, 6, 5, 4, 0, 0, 0, 0])
 
 
+def test_prefill_schedule_worked_example():
+    """The docstring's example: longest programs first (stable), unused entries last and
+    given the rows past the last sequence end."""
+    qsl = jnp.array([0, 5, 6, 6, 14], jnp.int32)
+    kv_lens = jnp.array([5, 1, 0, 8], jnp.int32)
+    prog_seq, prog_row = attention_triton.prefill_table(
+        qsl, num_tokens=16, block_q=4, max_q_blocks=8
+    )
+    prog_seq, prog_row = attention_triton.prefill_schedule(
+        prog_seq,
+        prog_row,
+        seq_end=qsl[1:],
+        seq_offset=kv_lens - jnp.diff(qsl) - qsl[:-1],
+        seq_kv_len=kv_lens,
+        seq_slot=jnp.arange(4, dtype=jnp.int32),
+        band=attention_triton.band_operand(True, None),
+        block_q=4,
+        block_k=4,
+    )
+    np.testing.assert_array_equal(prog_seq, [3, 0, 3, 1, 0, -1, -1, -1])
+    np.testing.assert_array_equal(prog_row, [10, 4, 6, 5, 0, 14, 18, 22])
+
+
 def test_block_sizes_are_validated():
     for bad in (
         dict(block_q=3),

@@ -622,26 +622,71 @@ def test_update_argument_errors_name_the_argument(impl):
 # --------------------------------------------------------------------------- GPU, real sizes
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dim", [2048, 4096])
-@pytest.mark.parametrize("impl", PREFILL)
-def test_prefill_real_size(impl, dim):
-    rng = np.random.default_rng(40)
-    lengths = (3000, 1, 1, 2048, 0, 1, 1024, 77)
-    has_init = (False, True, True, True, False, True, False, True)
-    padding = (False, False, False, False, True, False, False, False)
-    batch = make_batch(
+def real_size_batch(rng, case: str, dim: int) -> ConvBatch:
+    """``few``: 8 sequences (length-1 decode rows, a padding sequence, empty ones) in an
+    8192-token bucket; ``many``: 64 random sequences filling a 65,536-token bucket."""
+    if case == "few":
+        lengths = (3000, 1, 1, 2048, 0, 1, 1024, 77)
+        has_init = (False, True, True, True, False, True, False, True)
+        padding = (False, False, False, False, True, False, False, False)
+        pad_rows = 8192 - sum(lengths)
+    else:
+        lengths = rng.integers(1, 2000, size=64)
+        lengths[rng.choice(64, 8, replace=False)] = 1
+        has_init = rng.random(64) < 0.5
+        padding = rng.random(64) < 0.1
+        pad_rows = 65536 - int(lengths.sum())
+    return make_batch(
         rng,
-        lengths,
+        tuple(int(n) for n in lengths),
         has_init,
         K=4,
         dim=dim,
         dtype=jnp.bfloat16,
         padding=padding,
-        pad_rows=8192 - sum(lengths),
-        extra_slots=56,
+        pad_rows=pad_rows,
+        extra_slots=64,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dim", "case"),
+    [(2048, "few"), (2064, "few"), (4096, "few"), (8448, "few"), (2064, "many"), (8448, "many")],
+)
+@pytest.mark.parametrize("impl", PREFILL)
+def test_prefill_real_size(impl, dim, case):
+    batch = real_size_batch(np.random.default_rng(40), case, dim)
     y, cache = run_prefill(batch, impl)
+    check_prefill(batch, y, cache, "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", PREFILL)
+def test_prefill_strided_input(impl):
+    """x as a column slice of the wider in_proj output, as the mixer passes it."""
+    dim, offset = 2064, 4096 + 8
+    batch = real_size_batch(np.random.default_rng(42), "few", dim)
+    rng = np.random.default_rng(43)
+    wide = jnp.concatenate(
+        [
+            normal(rng, (batch.x.shape[0], offset), jnp.bfloat16),
+            batch.x,
+            normal(rng, (batch.x.shape[0], 24), jnp.bfloat16),
+        ],
+        axis=1,
+    )
+    call = jax.jit(
+        lambda wide: api.causal_conv1d(
+            wide[:, offset : offset + dim],
+            batch.weight,
+            batch.bias,
+            **batch.kwargs(),
+            activation="silu",
+            implementation=impl,
+        )
+    )
+    y, cache = call(wide)
     check_prefill(batch, y, cache, "silu")
 
 

@@ -1,0 +1,327 @@
+"""Benchmark results as tables and plots: time per problem and implementation, next to the
+roofline and the in-run baselines.
+
+Reads the two JSON shapes the benchmarks write:
+
+- one module's run, as ``benchmarks.harness.report`` writes it: ``title``, ``device``,
+  ``ceilings`` (``copy_gbps``, ``matmul_tflops``) and ``rows`` (``problem``,
+  ``implementation``, ``median_ms``, ``roofline_ms``, ``roofline_fraction``,
+  ``speedup_vs_xla``, ...);
+- the combined file of ``benchmarks.run_all``: ``device`` and ``modules``, each module
+  either such a report or ``{"error": ...}``.
+
+``python -m benchmarks.plots FILE_OR_DIR... [--out-dir DIR]`` writes one PNG per op,
+``<json stem>_<op>.png`` (``nvidia_h200_ssd.png`` from ``nvidia_h200.json``). Rows are
+grouped by their ``op`` field where they have one, else by module. matplotlib is imported
+only to draw (the JSON side needs nothing but the standard library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# Baselines first, then the Pallas backends, then anything else in name order.
+_IMPLEMENTATION_ORDER = ("xla", "cudnn", "triton", "mosaic", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One module's results from one file.
+
+    Attributes:
+      source: the JSON file it came from.
+      module: the benchmark module (``ssd``, ``conv1d``, ...; for a single-module file, its
+        name without the device suffix).
+      title: the module's title.
+      device: the device the numbers were measured on.
+      ceilings: measured ``copy_gbps`` and ``matmul_tflops`` (empty if the module failed).
+      rows: the result rows.
+      error: why the module produced no rows (combined files only), else None.
+      log: the tail of a failed module's output, else None.
+    """
+
+    source: Path
+    module: str
+    title: str
+    device: str
+    ceilings: dict[str, float]
+    rows: tuple[dict[str, Any], ...]
+    error: str | None = None
+    log: str | None = None
+
+    def ops(self) -> dict[str, list[dict[str, Any]]]:
+        """Rows grouped by op (a row's ``op`` field, else the module name), in order."""
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for row in self.rows:
+            groups.setdefault(str(row.get("op", self.module)), []).append(row)
+        return groups
+
+
+def slug(text: str) -> str:
+    """A file-name-safe lower-case form: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "unknown"
+
+
+def _report(source: Path, module: str, payload: dict[str, Any], device: str) -> Report:
+    return Report(
+        source=source,
+        module=module,
+        title=str(payload.get("title", module)),
+        device=str(payload.get("device", device)),
+        ceilings=dict(payload.get("ceilings") or {}),
+        rows=tuple(payload.get("rows") or ()),
+        error=payload.get("error"),
+        log=payload.get("log"),
+    )
+
+
+def load(path: str | Path) -> list[Report]:
+    """The reports in one JSON file (either shape); ``ValueError`` for any other JSON."""
+    path = Path(path)
+    payload = json.loads(path.read_text())
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path}: not a benchmark result (a JSON object expected)")
+    device = str(payload.get("device", "unknown"))
+    if isinstance(payload.get("modules"), dict):
+        return [_report(path, name, entry, device) for name, entry in payload["modules"].items()]
+    if isinstance(payload.get("rows"), list):
+        module = path.stem.removesuffix(f"_{slug(device)}")
+        return [_report(path, module, payload, device)]
+    raise ValueError(f"{path}: not a benchmark result (no 'rows' and no 'modules')")
+
+
+def load_all(paths: Iterable[str | Path]) -> tuple[list[Report], list[str]]:
+    """Reports from files and directories (every ``*.json`` in a directory, sorted).
+
+    Returns:
+      ``(reports, skipped)``: the reports, and one line per file that could not be read.
+    """
+    files: list[Path] = []
+    for path in map(Path, paths):
+        files += sorted(path.glob("*.json")) if path.is_dir() else [path]
+    reports: list[Report] = []
+    skipped: list[str] = []
+    for file in files:
+        try:
+            reports += load(file)
+        except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
+            skipped.append(f"{file}: {error}")
+    return reports, skipped
+
+
+def _implementations(rows: Sequence[dict[str, Any]]) -> list[str]:
+    names = {r["implementation"] for r in rows}
+    known = [n for n in _IMPLEMENTATION_ORDER if n in names]
+    return known + sorted(names - set(known))
+
+
+def _problems(rows: Sequence[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["problem"] for r in rows))
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """A text table: time, roofline and speedup per (problem, implementation)."""
+    header = (
+        f"{'problem':<24}{'impl':<8}{'median ms':>11}{'roof ms':>10}{'% roof':>8}"
+        f"{'TFLOP/s':>9}{'GB/s':>8}{'vs xla':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        roof = r.get("roofline_ms") or 0.0
+        speedup = r.get("speedup_vs_xla")
+        lines.append(
+            f"{r['problem']:<24}{r['implementation']:<8}{r['median_ms']:>11.4g}"
+            + (
+                f"{roof:>10.4g}{100 * r.get('roofline_fraction', 0.0):>7.1f}%"
+                if roof
+                else f"{'':>18}"
+            )
+            + f"{r.get('tflops', 0.0):>9.2f}{r.get('gbps', 0.0):>8.0f}"
+            + ("" if speedup is None else f"{speedup:>7.2f}x")
+        )
+    return "\n".join(lines)
+
+
+def plot_op(
+    rows: Sequence[dict[str, Any]], *, title: str, ceilings: dict[str, float] | None = None
+) -> Figure:
+    """One op: median time per problem and implementation (log scale, min-max whiskers)
+    with each problem's roofline floor as a black bar, speedups over ``xla`` above the
+    bars; beside it, the fraction of the roofline each implementation reaches."""
+    from matplotlib.figure import Figure
+
+    problems, impls = _problems(rows), _implementations(rows)
+    by_key = {(r["problem"], r["implementation"]): r for r in rows}
+    has_roofline = any((r.get("roofline_ms") or 0.0) > 0 for r in rows)
+    width = 0.8 / len(impls)
+    fig = Figure(figsize=(max(7.0, 3.0 + 0.9 * len(problems)), 7.5 if has_roofline else 4.5))
+    axes = fig.subplots(2 if has_roofline else 1, 1, squeeze=False)[:, 0]
+    ax = axes[0]
+    for i, impl in enumerate(impls):
+        xs, ms, low, high, speedups = [], [], [], [], []
+        for p, problem in enumerate(problems):
+            r = by_key.get((problem, impl))
+            if r is None:
+                continue
+            xs.append(p + (i - (len(impls) - 1) / 2) * width)
+            ms.append(r["median_ms"])
+            low.append(r["median_ms"] - r.get("min_ms", r["median_ms"]))
+            high.append(r.get("max_ms", r["median_ms"]) - r["median_ms"])
+            speedups.append(r.get("speedup_vs_xla") if impl != "xla" else None)
+        ax.bar(xs, ms, width, yerr=[low, high], capsize=2, label=impl, color=_color(impl, impls))
+        tops = [m + h for m, h in zip(ms, high, strict=True)]  # above the whisker
+        for x, top, s in zip(xs, tops, speedups, strict=True):
+            if s is not None:
+                ax.annotate(
+                    f"{s:.3g}x",
+                    (x, top),
+                    textcoords="offset points",
+                    xytext=(0, 3),
+                    ha="center",
+                    fontsize=7,
+                )
+    label = "roofline"
+    for p, problem in enumerate(problems):
+        floor = max((r.get("roofline_ms") or 0.0) for r in rows if r["problem"] == problem)
+        if floor > 0:
+            ax.hlines(floor, p - 0.45, p + 0.45, color="k", lw=2.5, label=label)
+            label = None  # one legend entry
+    ax.set_yscale("log")
+    ax.set_ylabel("median time per call (ms)")
+    ax.set_xticks(range(len(problems)))
+    ax.set_xticklabels(problems, rotation=20, ha="right", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.set_title("time (lower is better)", fontsize=9)
+    if has_roofline:
+        frac = axes[1]
+        for i, impl in enumerate(impls):
+            points = [
+                (p + (i - (len(impls) - 1) / 2) * width, 100 * r["roofline_fraction"])
+                for p, problem in enumerate(problems)
+                if (r := by_key.get((problem, impl))) is not None and r.get("roofline_ms")
+            ]
+            if points:
+                x, y = zip(*points, strict=True)
+                frac.bar(x, y, width, label=impl, color=_color(impl, impls))
+        frac.axhline(100, color="k", lw=1, ls="--")
+        frac.set_ylabel("% of roofline (higher is better)")
+        frac.set_xticks(range(len(problems)))
+        frac.set_xticklabels(problems, rotation=20, ha="right", fontsize=8)
+        frac.set_title("fraction of the roofline", fontsize=9)
+    caption = title
+    if ceilings:
+        caption += (
+            f"\nroofline: copy {ceilings.get('copy_gbps', 0):.4g} GB/s, "
+            f"bf16 matmul {ceilings.get('matmul_tflops', 0):.3g} TFLOP/s (measured in the run)"
+        )
+    fig.suptitle(caption, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def overview(reports: Sequence[Report]) -> Figure:
+    """Every problem of every report (of one device) in one figure: each non-``xla``
+    implementation's speedup over ``xla`` and its fraction of the roofline. Problems are
+    labelled ``module: problem``, prefixed with the file when the reports come from several."""
+    from matplotlib.figure import Figure
+
+    several_files = len({r.source for r in reports}) > 1
+    entries = []  # (label, implementation, speedup, roofline fraction)
+    for report in reports:
+        for r in report.rows:
+            if r["implementation"] != "xla":
+                label = f"{report.module}: {r['problem']}"
+                if several_files:
+                    label = f"{report.source.name} {label}"
+                roof = r.get("roofline_fraction") if r.get("roofline_ms") else None
+                entries.append((label, r["implementation"], r.get("speedup_vs_xla"), roof))
+    labels = list(dict.fromkeys(e[0] for e in entries))
+    impls = _implementations([{"implementation": e[1]} for e in entries]) if entries else []
+    fig = Figure(figsize=(11, 1.5 + 0.28 * max(len(labels), 1)))
+    speed, roof = fig.subplots(1, 2, sharey=True)
+    height = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        offset = (i - (len(impls) - 1) / 2) * height
+        for ax, column in ((speed, 2), (roof, 3)):
+            points = [
+                (labels.index(e[0]) + offset, e[column] * (100 if column == 3 else 1))
+                for e in entries
+                if e[1] == impl and e[column] is not None
+            ]
+            if points:
+                y, x = zip(*points, strict=True)
+                ax.barh(y, x, height, color=_color(impl, impls), label=impl)
+    speed.axvline(1, color="k", lw=1)
+    speed.set_xscale("log")
+    speed.set_xlabel("speedup over xla (log)")
+    roof.axvline(100, color="k", lw=1, ls="--")
+    roof.set_xlabel("% of roofline")
+    speed.set_yticks(range(len(labels)))
+    speed.set_yticklabels(labels, fontsize=8)
+    speed.invert_yaxis()
+    speed.legend(fontsize=8)
+    devices = ", ".join(sorted({r.device for r in reports}))
+    fig.suptitle(f"all benchmarks on {devices}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _color(impl: str, impls: Sequence[str]) -> str:
+    fixed = {"xla": "C0", "triton": "C1", "mosaic": "C2", "cudnn": "C3", "auto": "C4"}
+    return fixed.get(impl, f"C{5 + impls.index(impl) % 5}")
+
+
+def figures(report: Report) -> dict[str, Figure]:
+    """One figure per op of ``report`` (none for a failed module)."""
+    return {
+        op: plot_op(
+            rows, title=f"{op}: {report.title} on {report.device}", ceilings=report.ceilings
+        )
+        for op, rows in report.ops().items()
+    }
+
+
+def save_plots(reports: Iterable[Report], out_dir: str | Path) -> list[Path]:
+    """Writes ``<json stem>_<op>.png`` for every op of every report (``nvidia_h200_ssd.png``
+    for a ``run_all`` file ``nvidia_h200.json``); returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for report in reports:
+        for op, fig in figures(report).items():
+            path = out_dir / f"{report.source.stem}_{slug(op)}.png"
+            fig.savefig(path, dpi=120)
+            written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description="PNG plots of benchmark JSON results")
+    parser.add_argument("paths", nargs="+", help="JSON files or directories of them")
+    parser.add_argument("--out-dir", default=None, help="default: next to each JSON file")
+    args = parser.parse_args(argv)
+    reports, skipped = load_all(args.paths)
+    for line in skipped:
+        print(f"skipped {line}")
+    written: list[Path] = []
+    for report in reports:
+        if report.error:
+            print(f"{report.source}: {report.module} failed: {report.error}")
+            continue
+        written += save_plots([report], args.out_dir or report.source.parent)
+    for path in written:
+        print(f"wrote {path}")
+    return written
+
+
+if __name__ == "__main__":
+    main()
