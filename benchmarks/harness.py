@@ -35,7 +35,15 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument(
+        "--only", nargs="+", default=None, metavar="PROBLEM", help="run only these problems"
+    )
     return parser.parse_args(argv)
+
+
+def selected(name: str, only: Sequence[str] | None) -> bool:
+    """Whether problem ``name`` runs under ``--only``."""
+    return only is None or name in only
 
 
 def runnable(registry: Mapping[str, Any]) -> list[str]:

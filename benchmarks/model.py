@@ -107,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 [],
             )
         for name, (decode, prefill) in cases.items():
+            if not harness.selected(name, args.only):
+                continue
             arrays = engine.builder.build(decode, prefill)
             timing = harness.time_fn(lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5)
             tokens = arrays.num_tokens
@@ -125,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     peak_bytes=_peak_bytes(),
                 )
             )
+            print(f"{name} {impl}: {timing.median_ms:.3f} ms", flush=True)
         engine = None  # free this implementation's caches before the next one's
     harness.add_speedups(rows)
     print(f"\n## hybrid model ({cfg.family} pattern of {cfg.num_layers} layers, {dtype.__name__})")

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 from pallas_kernels._common import matmul_precision, process_dt, silu
 from pallas_kernels.metadata import ChunkMetadata
 
+# Chunks per batch of the per-chunk work: bounds the reference's memory.
+_CHUNK_BATCH = 16
+
 
 def ssd_scan(
     x: jax.Array,
@@ -51,25 +54,17 @@ def ssd_scan(
     cs = chunk_size
     precision = matmul_precision(x.dtype)
 
-    # 0) Gather chunks: rows past a chunk's end are masked (dt' = 0 there).
+    # 0) Chunk rows: rows past a chunk's end are masked (dt' = 0 there).
     starts = metadata.cu_chunk_seqlens[:-1]
     ends = metadata.cu_chunk_seqlens[1:]
     pos = starts[:, None] + jnp.arange(cs)[None, :]  # [nc, cs]
     valid = pos < ends[:, None]
     rows = jnp.where(valid, pos, 0)
-    nc = rows.shape[0]
 
-    def grouped(a):  # [nc, cs, H, ...] -> [nc, cs, G, R, ...]
-        return a.reshape(nc, cs, num_groups, heads_per_group, *a.shape[3:])
-
-    xc = grouped(x[rows].astype(f32))  # [nc, cs, G, R, P]
-    Bc = B[rows].astype(f32)  # [nc, cs, G, N]
-    Cc = C[rows].astype(f32)  # [nc, cs, G, N]
-
-    # 1) dt' and the within-chunk cumulative decay.
+    # 1) dt' and the within-chunk cumulative decay (small: [nc, cs, H]).
     dtc = process_dt(dt[rows].astype(f32), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    dtc = jnp.where(valid[..., None], dtc, 0.0)  # [nc, cs, H]
-    cum = jnp.cumsum(dtc * A.astype(f32), axis=1)  # [nc, cs, H]
+    dtc = jnp.where(valid[..., None], dtc, 0.0)
+    cum = jnp.cumsum(dtc * A.astype(f32), axis=1)
     # The chunk total is cum at the chunk's last row, copied to the masked rows after it:
     # a parallel scan may round cum[-1] differently, which large |A dt| turns into a
     # scaled contribution of the last token through exp(cum_last - cum_j).
@@ -77,22 +72,22 @@ def ssd_scan(
     cum_last = jnp.take_along_axis(cum, last_row, axis=1)[:, 0, :]  # [nc, H]
     cum = jnp.where(valid[..., None], cum, cum_last[:, None, :])
 
-    # 2) Diagonal block. Exponents are clamped to <= 0 (no overflow off the causal band).
-    cum_h = cum.transpose(0, 2, 1)  # [nc, H, cs]
-    segsum = jnp.minimum(cum_h[:, :, :, None] - cum_h[:, :, None, :], 0.0)  # [nc, H, l, s]
-    causal = jnp.tril(jnp.ones((cs, cs), dtype=bool))
-    decay = jnp.where(causal, jnp.exp(segsum), 0.0)
-    decay = decay.reshape(nc, num_groups, heads_per_group, cs, cs)
-    cb = jnp.einsum("clgn,csgn->cgls", Cc, Bc, precision=precision)
-    dt_g = grouped(dtc)  # [nc, cs, G, R]
-    y = jnp.einsum("cgls,cgrls,csgr,csgrp->clgrp", cb, decay, dt_g, xc, precision=precision)
+    # Per-chunk work runs in batches of chunks (lax.map), so memory stays bounded by one
+    # batch's [cs, cs] decay tiles whatever the number of chunks in the bucket.
+    def grouped(a):  # [cs, H, ...] -> [cs, G, R, ...]
+        return a.reshape(cs, num_groups, heads_per_group, *a.shape[2:])
 
-    # 3) Each chunk's state from a zero start.
-    decay_to_end = grouped(jnp.exp(jnp.minimum(cum_last[:, None, :] - cum, 0.0)))
-    chunk_states = jnp.einsum(
-        "csgn,csgr,csgr,csgrp->cgrpn", Bc, decay_to_end, dt_g, xc, precision=precision
-    )
-    chunk_states = chunk_states.reshape(nc, num_heads, head_dim, state_dim)
+    def own_state(chunk):
+        """3) The chunk's state from a zero start: Σ_j exp(cum_last − cum_j) dt_j x_j ⊗ B_j."""
+        rows_c, dt_c, cum_c, cum_last_c = chunk
+        weight = jnp.exp(jnp.minimum(cum_last_c[None, :] - cum_c, 0.0)) * dt_c  # [cs, H]
+        xw = grouped(x[rows_c].astype(f32) * weight[..., None])  # [cs, G, R, P]
+        state = jnp.einsum("sgn,sgrp->grpn", B[rows_c].astype(f32), xw, precision=precision)
+        return state.reshape(num_heads, head_dim, state_dim)
+
+    chunk_states = jax.lax.map(
+        own_state, (rows, dtc, cum, cum_last), batch_size=_CHUNK_BATCH
+    )  # [nc, H, P, N]
 
     # 4) State passing along each sequence's chunks (never across sequences).
     seq = metadata.seq_idx
@@ -113,19 +108,34 @@ def ssd_scan(
         jnp.zeros((num_heads, head_dim, state_dim), f32),
         (is_first, seq, chunk_decay, chunk_states),
     )
+    causal = jnp.tril(jnp.ones((cs, cs), dtype=bool))
 
-    # 5) Off-diagonal part, D skip, z gate.
-    before_g = states_before.reshape(nc, num_groups, heads_per_group, head_dim, state_dim)
-    carry_decay = grouped(jnp.exp(jnp.minimum(cum, 0.0)))  # [nc, cs, G, R]
-    y = y + jnp.einsum("clgn,cgrpn,clgr->clgrp", Cc, before_g, carry_decay, precision=precision)
-    y = y.reshape(nc, cs, num_heads, head_dim)
-    if D is not None:
-        y = y + D.astype(f32).reshape(num_heads, -1) * x[rows].astype(f32)
-    if z is not None:
-        y = y * silu(z[rows].astype(f32))
+    def output(chunk):
+        """2) + 5) The causal block C·Bᵀ ∘ decay · dt x, the carried state's part
+        exp(cum_i) C_i · state, the D skip and the z gate."""
+        rows_c, dt_c, cum_c, before_c = chunk
+        xc = x[rows_c].astype(f32)  # [cs, H, P]
+        Bc, Cc = B[rows_c].astype(f32), C[rows_c].astype(f32)  # [cs, G, N]
+        # Exponents are clamped to <= 0 (no overflow off the causal band).
+        segsum = jnp.minimum(cum_c.T[:, :, None] - cum_c.T[:, None, :], 0.0)  # [H, l, s]
+        decay = jnp.where(causal, jnp.exp(segsum), 0.0) * dt_c.T[:, None, :]
+        cb = jnp.einsum("lgn,sgn->gls", Cc, Bc, precision=precision)
+        weights = decay.reshape(num_groups, heads_per_group, cs, cs) * cb[:, None]
+        y = jnp.einsum("grls,sgrp->lgrp", weights, grouped(xc), precision=precision)
+        before_g = before_c.reshape(num_groups, heads_per_group, head_dim, state_dim)
+        carried = jnp.einsum("lgn,grpn->lgrp", Cc, before_g, precision=precision)
+        y = y + carried * grouped(jnp.exp(jnp.minimum(cum_c, 0.0)))[..., None]
+        y = y.reshape(cs, num_heads, head_dim)
+        if D is not None:
+            y = y + D.astype(f32).reshape(num_heads, -1) * xc
+        if z is not None:
+            y = y * silu(z[rows_c].astype(f32))
+        return y.astype(x.dtype)
+
+    y = jax.lax.map(output, (rows, dtc, cum, states_before), batch_size=_CHUNK_BATCH)
     scatter_rows = jnp.where(valid, pos, num_tokens)  # masked rows fall off the end
     y_tokens = jnp.zeros((num_tokens, num_heads, head_dim), x.dtype)
-    y_tokens = y_tokens.at[scatter_rows].set(y.astype(x.dtype), mode="drop")
+    y_tokens = y_tokens.at[scatter_rows].set(y, mode="drop")
 
     live = seq >= 0
     if return_intermediate_states:
