@@ -66,6 +66,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import matmul_precision
 from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, next_power_of_2
 from pallas_kernels.attention._layout import token_layout
+from pallas_kernels.metadata import sequence_block_table
 
 # Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
 # then has max = finfo.min and exp2(logit - max) stays finite, where -inf - (-inf) would be
@@ -184,6 +185,15 @@ def _load(ref, mask):
 
 
 # ------------------------------------------------------------------------- shared pieces
+
+
+def _softmax_init(rows: int, bd: int):
+    """The online softmax's state before any key: (running max, denominator, output)."""
+    return (
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, bd), jnp.float32),
+    )
 
 
 def _softmax_step(carry, q, k, v, visible, qk_scale):
@@ -367,11 +377,7 @@ def _prefill_kernel(
                     qk_scale=qk_scale,
                 )
 
-            carry = (
-                jnp.full((rows,), _MASK_VALUE, jnp.float32),
-                jnp.zeros((rows,), jnp.float32),
-                jnp.zeros((rows, bd), jnp.float32),
-            )
+            carry = _softmax_init(rows, bd)
             _, l, acc = _kv_loop(kv_block, carry, *bounds)
             out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
             store(row0, row_live, out.reshape(block_q, bg, bd))
@@ -384,8 +390,8 @@ def prefill_table(
     host sync); :func:`prefill_schedule` then puts the entries in launch order.
 
     Query blocks start at each sequence's first row and are numbered along the packed
-    rows; entries take them in reverse (a sequence's last blocks, the heaviest under the
-    causal mask, first). Example,
+    rows (:func:`~pallas_kernels.metadata.sequence_block_table`); entries take them in
+    reverse (a sequence's last blocks, the heaviest under the causal mask, first). Example,
     ``block_q = 4``, ``query_start_loc = [0, 5, 6, 6, 14]``, T = 16 (B = 4,
     ``max_q_blocks = cdiv(16, 4) + 4 = 8``)::
 
@@ -401,19 +407,15 @@ def prefill_table(
       ``(prog_seq, prog_row)``, int32[max_q_blocks] each; ``prog_seq`` is -1 past the live
       count.
     """
-    num_seqs = query_start_loc.shape[0] - 1
-    starts = jnp.clip(query_start_loc[:-1], 0, num_tokens)
-    ends = jnp.clip(query_start_loc[1:], starts, num_tokens)
-    num_blocks = pl.cdiv(ends - starts, block_q)
-    block_ends = jnp.cumsum(num_blocks)
+    # The sequence-aligned blocks of every row-block kernel, live entries reversed.
+    block_seq, block_row = sequence_block_table(
+        jnp.clip(query_start_loc, 0, num_tokens), block_size=block_q, num_blocks=max_q_blocks
+    )
+    num_live = jnp.sum(block_seq >= 0)
     program = jnp.arange(max_q_blocks, dtype=jnp.int32)
-    block = block_ends[-1] - 1 - program  # heaviest first
-    live = block >= 0
-    seq = jnp.searchsorted(block_ends, block, side="right").astype(jnp.int32)
-    seq_c = jnp.clip(seq, 0, num_seqs - 1)
-    first_block = block_ends[seq_c] - num_blocks[seq_c]
-    row = starts[seq_c] + (block - first_block) * block_q
-    return jnp.where(live, seq, -1), jnp.where(live, row, 0).astype(jnp.int32)
+    live = program < num_live
+    entry = jnp.where(live, num_live - 1 - program, program)
+    return block_seq[entry], jnp.where(live, block_row[entry], 0).astype(jnp.int32)
 
 
 def prefill_schedule(
@@ -614,11 +616,7 @@ def _decode_kernel(
                 qk_scale=qk_scale,
             )
 
-        carry = (
-            jnp.full((rows,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, bd), jnp.float32),
-        )
+        carry = _softmax_init(rows, bd)
         # One row: keys [k0, k1) are visible to all of it; only the end blocks are masked.
         bounds = _block_ranges(k0, k1, k0, k1, block_k)
         m, l, acc = _kv_loop(kv_block, carry, *bounds)
@@ -677,11 +675,7 @@ def _decode_combine_kernel(
         acc = acc * alpha[:, None] + jnp.sum(acc_s * beta[:, :, None], axis=0)
         return m_new, l, acc
 
-    carry = (
-        jnp.full((bg,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((bg,), jnp.float32),
-        jnp.zeros((bg, bd), jnp.float32),
-    )
+    carry = _softmax_init(bg, bd)
     _, l, acc = jax.lax.fori_loop(0, pl.cdiv(last - first, block_splits), merge, carry)
     out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
     plgpu.store(o_ref.at[t, pl.ds(h * group, bg), pl.ds(0, bd)], out.astype(o_ref.dtype), mask=tile)
