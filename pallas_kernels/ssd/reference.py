@@ -23,9 +23,6 @@ import jax.numpy as jnp
 from pallas_kernels._common import matmul_precision, process_dt, silu
 from pallas_kernels.metadata import ChunkMetadata
 
-# Chunks per batch of the per-chunk work: bounds the reference's memory.
-_CHUNK_BATCH = 16
-
 
 def ssd_scan(
     x: jax.Array,
@@ -72,57 +69,33 @@ def ssd_scan(
     cum_last = jnp.take_along_axis(cum, last_row, axis=1)[:, 0, :]  # [nc, H]
     cum = jnp.where(valid[..., None], cum, cum_last[:, None, :])
 
-    # Per-chunk work runs in batches of chunks (lax.map), so memory stays bounded by one
-    # batch's [cs, cs] decay tiles whatever the number of chunks in the bucket.
+    # One scan along the chunks does all per-chunk work: memory stays bounded by one
+    # chunk's [H, cs, cs] decay tiles whatever the number of chunks in the bucket, and the
+    # loop carries only what the caller gets back (XLA gives every loop carry a buffer of
+    # its own for the whole program, so a stacked per-chunk output would stay allocated
+    # through every later layer of a model).
     def grouped(a):  # [cs, H, ...] -> [cs, G, R, ...]
         return a.reshape(cs, num_groups, heads_per_group, *a.shape[2:])
 
-    def own_state(chunk):
-        """3) The chunk's state from a zero start: Σ_j exp(cum_last − cum_j) dt_j x_j ⊗ B_j."""
-        rows_c, dt_c, cum_c, cum_last_c = chunk
-        weight = jnp.exp(jnp.minimum(cum_last_c[None, :] - cum_c, 0.0)) * dt_c  # [cs, H]
-        xw = grouped(x[rows_c].astype(f32) * weight[..., None])  # [cs, G, R, P]
-        state = jnp.einsum("sgn,sgrp->grpn", B[rows_c].astype(f32), xw, precision=precision)
-        return state.reshape(num_heads, head_dim, state_dim)
-
-    chunk_states = jax.lax.map(
-        own_state, (rows, dtc, cum, cum_last), batch_size=_CHUNK_BATCH
-    )  # [nc, H, P, N]
-
-    # 4) State passing along each sequence's chunks (never across sequences).
-    seq = metadata.seq_idx
-    is_first = jnp.concatenate([jnp.ones((1,), bool), seq[1:] != seq[:-1]])
-    if initial_states is None:
-        initial_states = jnp.zeros((num_seqs, num_heads, head_dim, state_dim), f32)
-    initial_states = initial_states.astype(f32)
-    chunk_decay = jnp.exp(jnp.minimum(cum_last, 0.0))  # [nc, H]
-
-    def pass_state(carry, inputs):
-        first, seq_c, decay_c, own_c = inputs
-        before = jnp.where(first, initial_states[jnp.maximum(seq_c, 0)], carry)
-        after = decay_c[:, None, None] * before + own_c
-        return after, (before, after)
-
-    _, (states_before, states_after) = jax.lax.scan(
-        pass_state,
-        jnp.zeros((num_heads, head_dim, state_dim), f32),
-        (is_first, seq, chunk_decay, chunk_states),
-    )
     causal = jnp.tril(jnp.ones((cs, cs), dtype=bool))
 
-    def output(chunk):
+    def own_state(xc, Bc, dt_c, cum_c, cum_last_c):
+        """3) The chunk's state from a zero start: Σ_j exp(cum_last − cum_j) dt_j x_j ⊗ B_j."""
+        weight = jnp.exp(jnp.minimum(cum_last_c[None, :] - cum_c, 0.0)) * dt_c  # [cs, H]
+        xw = grouped(xc * weight[..., None])  # [cs, G, R, P]
+        state = jnp.einsum("sgn,sgrp->grpn", Bc, xw, precision=precision)
+        return state.reshape(num_heads, head_dim, state_dim)
+
+    def output(rows_c, xc, Bc, Cc, dt_c, cum_c, before):
         """2) + 5) The causal block C·Bᵀ ∘ decay · dt x, the carried state's part
         exp(cum_i) C_i · state, the D skip and the z gate."""
-        rows_c, dt_c, cum_c, before_c = chunk
-        xc = x[rows_c].astype(f32)  # [cs, H, P]
-        Bc, Cc = B[rows_c].astype(f32), C[rows_c].astype(f32)  # [cs, G, N]
         # Exponents are clamped to <= 0 (no overflow off the causal band).
         segsum = jnp.minimum(cum_c.T[:, :, None] - cum_c.T[:, None, :], 0.0)  # [H, l, s]
         decay = jnp.where(causal, jnp.exp(segsum), 0.0) * dt_c.T[:, None, :]
         cb = jnp.einsum("lgn,sgn->gls", Cc, Bc, precision=precision)
         weights = decay.reshape(num_groups, heads_per_group, cs, cs) * cb[:, None]
         y = jnp.einsum("grls,sgrp->lgrp", weights, grouped(xc), precision=precision)
-        before_g = before_c.reshape(num_groups, heads_per_group, head_dim, state_dim)
+        before_g = before.reshape(num_groups, heads_per_group, head_dim, state_dim)
         carried = jnp.einsum("lgn,grpn->lgrp", Cc, before_g, precision=precision)
         y = y + carried * grouped(jnp.exp(jnp.minimum(cum_c, 0.0)))[..., None]
         y = y.reshape(cs, num_heads, head_dim)
@@ -132,17 +105,41 @@ def ssd_scan(
             y = y * silu(z[rows_c].astype(f32))
         return y.astype(x.dtype)
 
-    y = jax.lax.map(output, (rows, dtc, cum, states_before), batch_size=_CHUNK_BATCH)
-    scatter_rows = jnp.where(valid, pos, num_tokens)  # masked rows fall off the end
-    y_tokens = jnp.zeros((num_tokens, num_heads, head_dim), x.dtype)
-    y_tokens = y_tokens.at[scatter_rows].set(y, mode="drop")
-
+    # 4) State passing along each sequence's chunks (never across sequences).
+    seq = metadata.seq_idx
     live = seq >= 0
-    if return_intermediate_states:
-        states = jnp.where(live[:, None, None, None], states_after, 0.0)
-    else:
-        last = metadata.last_chunk_indices
-        states = jnp.where(
-            (last >= 0)[:, None, None, None], states_after[jnp.maximum(last, 0)], initial_states
-        )
-    return y_tokens, states.astype(state_dtype)
+    is_first = jnp.concatenate([jnp.ones((1,), bool), seq[1:] != seq[:-1]])
+    chunk = jnp.arange(seq.shape[0])
+    is_last = live & (metadata.last_chunk_indices[jnp.maximum(seq, 0)] == chunk)
+    if initial_states is None:
+        initial_states = jnp.zeros((num_seqs, num_heads, head_dim, state_dim), f32)
+    initial_states = initial_states.astype(f32)
+    chunk_decay = jnp.exp(jnp.minimum(cum_last, 0.0))  # [nc, H]
+
+    def chunk_step(carry, chunk):
+        state, y_tokens, finals = carry
+        rows_c, valid_c, start_c, dt_c, cum_c, cum_last_c, decay_c, first, seq_c, last = chunk
+        b = jnp.maximum(seq_c, 0)
+        xc = x[rows_c].astype(f32)  # [cs, H, P]
+        Bc, Cc = B[rows_c].astype(f32), C[rows_c].astype(f32)  # [cs, G, N]
+        before = jnp.where(first, initial_states[b], state)
+        after = decay_c[:, None, None] * before + own_state(xc, Bc, dt_c, cum_c, cum_last_c)
+        # The chunk's rows are contiguous: rows past its end keep what is there.
+        y_c = output(rows_c, xc, Bc, Cc, dt_c, cum_c, before)
+        old = jax.lax.dynamic_slice_in_dim(y_tokens, start_c, cs)
+        y_c = jnp.where(valid_c[:, None, None], y_c, old)
+        y_tokens = jax.lax.dynamic_update_slice_in_dim(y_tokens, y_c, start_c, 0)
+        final_b = jnp.where(last, after, finals[b])
+        finals = jax.lax.dynamic_update_index_in_dim(finals, final_b, b, 0)
+        out = jnp.where(seq_c >= 0, after, 0.0) if return_intermediate_states else None
+        return (after, y_tokens, finals), out
+
+    # cs spare rows at the end keep every chunk's slice in bounds (no clamping).
+    y_tokens = jnp.zeros((num_tokens + cs, num_heads, head_dim), x.dtype)
+    (_, y_tokens, finals), intermediate = jax.lax.scan(
+        chunk_step,
+        (jnp.zeros((num_heads, head_dim, state_dim), f32), y_tokens, initial_states),
+        (rows, valid, starts, dtc, cum, cum_last, chunk_decay, is_first, seq, is_last),
+    )
+    states = intermediate if return_intermediate_states else finals
+    return y_tokens[:num_tokens], states.astype(state_dtype)
