@@ -100,9 +100,9 @@ class Engine:
             chunk_size=self.cfg.mamba_chunk_size,
             num_decode=num_decode,
         )
-        logits, caches = model.forward(tokens, batch, caches)
         # Each sequence's last token (padding sequences read an arbitrary row).
-        return logits[jnp.maximum(query_start_loc[1:] - 1, 0)], caches
+        last_rows = jnp.maximum(query_start_loc[1:] - 1, 0)
+        return model.forward(tokens, batch, caches, logits_rows=last_rows)
 
     def step(self, arrays: StepArrays) -> np.ndarray:
         """Runs one built step; returns the last-token logits of every sequence row."""

@@ -89,14 +89,23 @@ class HybridLM(nnx.Module):
         )
 
     def forward(
-        self, tokens: jax.Array, batch: ForwardBatch, caches: tuple[LayerCache, ...]
+        self,
+        tokens: jax.Array,
+        batch: ForwardBatch,
+        caches: tuple[LayerCache, ...],
+        *,
+        logits_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
-        """Packed tokens[T] → (logits[T, V] in fp32, updated caches)."""
+        """Packed tokens[T] → (logits[T, V] in fp32, updated caches); with
+        ``logits_rows[R]`` only those rows' logits, ``[R, V]`` (a serving step needs each
+        sequence's last token, not T × V logits)."""
         h = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         new_caches = []
         for layer, cache in zip(self.layers, caches, strict=True):
             h, cache = layer(h, batch, cache)
             new_caches.append(cache)
+        if logits_rows is not None:
+            h = h[logits_rows]
         h = self.final_norm(h)
         logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
         return logits.astype(jnp.float32) / self.cfg.logits_scaling, tuple(new_caches)
