@@ -70,65 +70,77 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         dense = (8, 4096)
         ragged = [int(n) for n in rng.integers(64, 8193, size=8)]
         context, decode_rows = 4096, (1, 64, 256)
-    num_slots = max(max(decode_rows), dense[0], len(ragged))
-    max_len = max(dense[1], max(ragged), context + 1)
     budget = max(dense[0] * dense[1], sum(ragged))
+    # Prefill and decode each get an engine sized for them (slots, cache length, buckets):
+    # a prefill step over a 256-sequence bucket would spend its memory on 248 empty
+    # sequences' chunks and states.
+    engines = dict(
+        prefill=dict(
+            max_slots=max(dense[0], len(ragged)),
+            max_len=max(dense[1], max(ragged)),
+            token_budget=budget,
+            decode_buckets=(1,),
+            token_buckets=(dense[0] * dense[1], budget),
+        ),
+        decode=dict(
+            max_slots=max(decode_rows),
+            max_len=context + 1,
+            token_budget=max(decode_rows),
+            decode_buckets=decode_rows,
+            token_buckets=(16,),
+        ),
+    )
+    cases = {
+        f"prefill-{dense[0]}x{dense[1]}": (
+            "prefill",
+            [],
+            [
+                Request(s, list(rng.integers(0, cfg.vocab_size, dense[1])), 0)
+                for s in range(dense[0])
+            ],
+        ),
+        "prefill-ragged": (
+            "prefill",
+            [],
+            [Request(s, list(rng.integers(0, cfg.vocab_size, n)), 0) for s, n in enumerate(ragged)],
+        ),
+    }
+    for r in decode_rows:
+        cases[f"decode-{r}x{context}"] = (
+            "decode",
+            [Request(s, [int(rng.integers(cfg.vocab_size))], context) for s in range(r)],
+            [],
+        )
     ceilings = harness.measure_ceilings(quick=args.quick)
     base = HybridLM(cfg, dtype=dtype, implementation="xla", rngs=nnx.Rngs(0))
     rows: list[dict] = []
     for impl in ("xla", "auto"):
-        engine = Engine(
-            _with_implementation(base, impl),
-            max_slots=num_slots,
-            max_len=max_len,
-            token_budget=budget,
-            decode_buckets=decode_rows,
-            token_buckets=(dense[0] * dense[1], budget),
-        )
-        cases = {
-            f"prefill-{dense[0]}x{dense[1]}": (
-                [],
-                [
-                    Request(s, list(rng.integers(0, cfg.vocab_size, dense[1])), 0)
-                    for s in range(dense[0])
-                ],
-            ),
-            "prefill-ragged": (
-                [],
-                [
-                    Request(s, list(rng.integers(0, cfg.vocab_size, n)), 0)
-                    for s, n in enumerate(ragged)
-                ],
-            ),
-        }
-        for r in decode_rows:
-            cases[f"decode-{r}x{context}"] = (
-                [Request(s, [int(rng.integers(cfg.vocab_size))], context) for s in range(r)],
-                [],
-            )
-        for name, (decode, prefill) in cases.items():
-            if not harness.selected(name, args.only):
-                continue
-            arrays = engine.builder.build(decode, prefill)
-            timing = harness.time_fn(lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5)
-            tokens = arrays.num_tokens
-            flops, bytes_moved = _cost(cfg, base, arrays, context)
-            rows.append(
-                harness.row(
-                    name,
-                    impl,
-                    timing,
-                    flops=flops,
-                    bytes_moved=bytes_moved,
-                    op="model",
-                    ceilings=ceilings,
-                    tokens=tokens,
-                    tokens_per_s=tokens / (timing.median_ms * 1e-3),
-                    peak_bytes=_peak_bytes(),
+        model = _with_implementation(base, impl)
+        for kind, engine_args in engines.items():
+            engine = Engine(model, **engine_args)
+            for name, (case_kind, decode, prefill) in cases.items():
+                if case_kind != kind or not harness.selected(name, args.only):
+                    continue
+                arrays = engine.builder.build(decode, prefill)
+                timing = harness.time_fn(lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5)
+                tokens = arrays.num_tokens
+                flops, bytes_moved = _cost(cfg, base, arrays, context)
+                rows.append(
+                    harness.row(
+                        name,
+                        impl,
+                        timing,
+                        flops=flops,
+                        bytes_moved=bytes_moved,
+                        op="model",
+                        ceilings=ceilings,
+                        tokens=tokens,
+                        tokens_per_s=tokens / (timing.median_ms * 1e-3),
+                        peak_bytes=_peak_bytes(),
+                    )
                 )
-            )
-            print(f"{name} {impl}: {timing.median_ms:.3f} ms", flush=True)
-        engine = None  # free this implementation's caches before the next one's
+                print(f"{name} {impl}: {timing.median_ms:.3f} ms", flush=True)
+            engine = None  # free this engine's caches before the next one's
     harness.add_speedups(rows)
     print(f"\n## hybrid model ({cfg.family} pattern of {cfg.num_layers} layers, {dtype.__name__})")
     print(f"{'case':<22}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'vs xla':>8}{'peak GiB':>10}")
