@@ -41,7 +41,10 @@ for stage in $stages; do
       tail -n 30 "$out/demo.log"
       ;;
     bench)
-      # One module per call, so each gets its own time limit; run_all merges them.
+      # One module per call, so each gets its own time limit; run_all merges them into
+      # the committed results, so a run of some modules keeps the others' rows.
+      mkdir -p "$out/results"
+      cp -n benchmarks/results/*.json "$out/results/" 2>/dev/null || true
       for module in $benchmarks; do
         timeout $((bench_timeout + 10)) $python -m benchmarks.run_all --out-dir "$out/results" \
           --modules "$module" --timeout "$bench_timeout" >> "$out/bench.log" 2>&1 \
