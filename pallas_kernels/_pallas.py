@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 # Triton's tensor-core dot needs every dimension >= 16.
 MIN_DOT_DIM = 16
@@ -39,3 +40,21 @@ def static_index(i: int) -> jax.Array:
     """A static ref index as a scalar array (``ref.at[static_index(k)]``): interpret mode
     cannot discharge plain Python ints in a ref indexer (jax 0.11.2)."""
     return jnp.int32(i)
+
+
+def for_each_tail_block(body, *, total, num_rows: int, block: int, program, num_programs: int):
+    """Calls ``body(row0)`` for this program's share of the rows ``[total, num_rows)`` that
+    no sequence owns: blocks ``[total + k * block, total + (k + 1) * block)`` with
+    ``k ≡ program (mod num_programs)``. ``body`` masks rows ``>= num_rows`` itself.
+
+    A few programs loop over the bucket's unowned rows, so a kernel's grid does not carry
+    one mostly idle program per block of a tail that is empty in a full bucket.
+    """
+    num_blocks = pl.cdiv(jnp.maximum(num_rows - total, 0), block)
+    count = pl.cdiv(jnp.maximum(num_blocks - program, 0), num_programs)
+
+    def step(i, carry):
+        body(total + (program + i * num_programs) * block)
+        return carry
+
+    jax.lax.fori_loop(0, count, step, 0)

@@ -20,12 +20,12 @@ from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.ssd import triton as ssd_triton
 
 CANDIDATES = [
-    dict(block_m=64, block_k=64, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=32, num_warps=4, num_stages=3),
-    dict(block_m=64, block_k=64, num_warps=4, num_stages=3),
-    dict(block_m=128, block_k=64, num_warps=8, num_stages=2),
-    dict(block_m=128, block_k=32, num_warps=8, num_stages=3),
-    dict(block_m=64, block_k=32, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=32, block_t=64, num_warps=4, num_stages=2),  # the defaults
+    dict(block_m=64, block_k=32, block_t=32, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=32, block_t=64, num_warps=4, num_stages=3),
+    dict(block_m=64, block_k=32, block_t=128, num_warps=8, num_stages=2),
+    dict(block_m=64, block_k=64, block_t=64, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=64, block_t=64, num_warps=4, num_stages=3),
 ]
 
 
@@ -66,28 +66,17 @@ def main() -> None:
     harness.spin_up()
 
     stage1 = jax.jit(
-        lambda x, dt, B: ssd_triton.chunk_state(
+        lambda x, dt, B: ssd_triton.state_scan(
             s,
-            cu,
+            md,
             x,
             dt,
             A,
             B,
             dt_bias,
+            None,
             dt_softplus=True,
             dt_limit=(0.0, math.inf),
-            blocks=blocks,
-            interpret=False,
-        )
-    )
-    dt_chunks, cum, chunk_states = stage1(x, dt, B)
-    stage2 = jax.jit(
-        lambda cum, cs: ssd_triton.state_passing(
-            s,
-            md,
-            cum,
-            cs,
-            None,
             intermediate=False,
             state_dtype=jnp.float32,
             carried_dtype=C.dtype,
@@ -95,7 +84,7 @@ def main() -> None:
             interpret=False,
         )
     )
-    carried, _ = stage2(cum, chunk_states)
+    dt_chunks, cum, carried, _ = stage1(x, dt, B)
     stage3a = jax.jit(lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False))
     cb = stage3a(C, B)
     stage3b = jax.jit(
@@ -105,8 +94,7 @@ def main() -> None:
     )
     print(f"{p.name}: T={T} chunks={int(md.num_chunks)} default {blocks}")
     for name, fn in (
-        ("chunk_state", lambda: stage1(x, dt, B)),
-        ("state_passing", lambda: stage2(cum, chunk_states)),
+        ("state_scan", lambda: stage1(x, dt, B)),
         ("chunk_cb", lambda: stage3a(C, B)),
         ("chunk_scan", lambda: stage3b(x, C, cb, dt_chunks, cum, carried)),
     ):

@@ -25,13 +25,13 @@ from pallas_kernels.testing import relative_error
 CONV_CANDIDATES = [
     dict(block_t=bt, block_d=bd, num_warps=w)
     for bt, bd, w in [
-        (32, 256, 1),
-        (64, 256, 1),
-        (16, 256, 1),
-        (32, 512, 2),
-        (32, 256, 2),
-        (32, 1024, 4),
-        (64, 512, 2),
+        (32, 256, 2),  # the defaults
+        (16, 256, 2),
+        (32, 256, 4),
+        (64, 256, 4),
+        (32, 128, 1),
+        (64, 128, 2),
+        (16, 512, 4),
     ]
 ]
 NORM_CANDIDATES = [dict(block_rows=r, num_warps=w) for r, w in [(1, 8), (1, 16)]]

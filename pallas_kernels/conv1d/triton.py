@@ -11,8 +11,8 @@ block takes its window from the slot's conv state when ``has_initial_state``, ze
 otherwise; later blocks from the sequence's own earlier tokens. The first block also
 writes the sequence's new conv state (its last ``K−1`` inputs, shifted together with the
 old state when the sequence is shorter), so the only program that reads a slot's state is
-the one that overwrites it: no race between programs. Extra programs past the table zero
-the bucket rows no sequence owns.
+the one that overwrites it: no race between programs. A few extra programs past the table
+zero the bucket rows no sequence owns.
 
 Decode (``causal_conv1d_update``): one program per (row, channel block) keeps the ``K−1``
 column window in registers, advances it over the row's ``L`` tokens and writes it back
@@ -32,8 +32,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import silu
-from pallas_kernels._pallas import block_dim, static_index
+from pallas_kernels._pallas import block_dim, for_each_tail_block, static_index
 from pallas_kernels.metadata import sequence_block_table
+
+# Programs per channel block that zero the bucket rows past the sequences.
+_TAIL_PROGRAMS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,10 +139,14 @@ def _prefill_kernel(
             bias = None
             if bias_ref is not None:
                 bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
+            # Every row's load is issued before any store: a store may alias a later load
+            # as far as the compiler knows, so loads interleaved with stores would each
+            # wait for the one before (one row in flight per program).
+            inputs = [x_row(row0 + r, row0 + r < seq_end) for r in range(block_t)]
+            taps_all = window + inputs
             for r in range(block_t):
                 row = row0 + r
-                live = row < seq_end
-                taps = (*window, x_row(row, live))
+                taps = taps_all[r : r + width]
                 y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
                 if bias is not None:
                     y = y + bias
@@ -147,9 +154,8 @@ def _prefill_kernel(
                 plgpu.store(
                     y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
                     y.astype(y_ref.dtype),
-                    mask=d_live & live,
+                    mask=d_live & (row < seq_end),
                 )
-                window = list(taps[1:])
 
             # New state: the last K-1 inputs of history ++ tokens.
             @pl.when(first & (slot >= 0))
@@ -169,18 +175,22 @@ def _prefill_kernel(
     # Programs past the table zero the bucket rows no sequence owns: [qsl[-1], T).
     @pl.when(i >= num_blocks)
     def _tail():
-        total = qsl_ref[qsl_ref.shape[0] - 1]
-        row0 = (i - num_blocks) * block_t
-        rows = row0 + jnp.arange(block_t)
-
-        @pl.when((row0 + block_t > total) & (row0 < num_tokens))
-        def _():
-            dead = (rows >= total) & (rows < num_tokens)
+        def zero(row0):
+            rows = row0 + jnp.arange(block_t)
             plgpu.store(
                 y_ref.at[pl.ds(row0, block_t), cols],
                 jnp.zeros((block_t, block_d), y_ref.dtype),
-                mask=dead[:, None] & d_live[None, :],
+                mask=(rows < num_tokens)[:, None] & d_live[None, :],
             )
+
+        for_each_tail_block(
+            zero,
+            total=qsl_ref[qsl_ref.shape[0] - 1],
+            num_rows=num_tokens,
+            block=block_t,
+            program=i - num_blocks,
+            num_programs=_TAIL_PROGRAMS,
+        )
 
 
 def causal_conv1d(
@@ -233,7 +243,7 @@ def causal_conv1d(
             activation=activation,
         ),
         # Channel blocks vary fastest: programs in flight together read whole rows.
-        grid=(pl.cdiv(dim, block_d), num_blocks + pl.cdiv(num_tokens, block_t)),
+        grid=(pl.cdiv(dim, block_d), num_blocks + _TAIL_PROGRAMS),
         out_shape=(
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),

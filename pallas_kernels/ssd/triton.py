@@ -3,18 +3,21 @@
 The SSD algorithm of Mamba2 (Dao & Gu, arXiv 2405.21060, section 6) over the chunk-aligned
 varlen layout of ``pallas_kernels.metadata``, in three launches:
 
-1. ``chunk_state`` (grid: head × chunk): dt processing (bias, softplus, clamp; zero past
-   the chunk's end), the within-chunk cumulative decay ``cum = cumsum(dt' A)``, and the
-   chunk's own state from a zero start, ``Σ_j exp(cum_last − cum_j) dt'_j x_j ⊗ B_j``.
-2. ``state_passing`` (grid: sequence × head × head-dim block): walks each sequence's
-   chunks in order, starting from ``initial_states``, ``s ← exp(cum_last) s + chunk_state``;
-   records the state entering every chunk, and the final (or every intermediate) state. It
-   runs along sequences, never over a flat chunk list that crosses them.
-3. ``chunk_cb`` (grid: chunk × group × row block): ``C_c B_cᵀ`` once per group, not
-   once per head; ``chunk_scan`` (grid: row block × head × chunk): for each row block,
+1. ``state_scan`` (grid: head × sequence, longest sequences first): walks each sequence's
+   chunks in order, ``block_t`` rows per step, starting from ``initial_states``: dt
+   processing (bias, softplus, clamp; zero past the chunk's end), the within-chunk
+   cumulative decay ``cum = cumsum(dt' A)``, and the state recursion
+   ``s ← exp(Σ_step dt' A) s + Σ_j exp(cum_end − cum_j) dt'_j x_j ⊗ B_j``; records the
+   state entering every chunk and the final (or every intermediate) state. It runs along
+   sequences, never over a flat chunk list that crosses them, and no per-chunk state
+   ever goes through memory (a separate chunk-state stage would write and re-read
+   ``[chunks, H, P, N]`` fp32, a third of the scan's bytes).
+2. ``chunk_cb`` (grid: chunk × group × row block): ``C_c B_cᵀ`` once per group, not
+   once per head.
+3. ``chunk_scan`` (grid: row block × head × chunk): for each row block,
    ``y = exp(cum_i) C_i · s_in + Σ_{j ≤ i} (C_i · B_j) exp(cum_i − cum_j) dt'_j x_j`` over
-   the causal column blocks only, then the D skip and the z gate. Extra programs past the
-   chunks zero the bucket rows that no sequence owns.
+   the causal column blocks only, then the D skip and the z gate. A few extra programs
+   zero the bucket rows that no sequence owns.
 
 Chunks are read straight from the packed tokens with masked loads: a short chunk is
 masked, never padded in memory. Padding chunks (past ``num_chunks``) exit at once. All
@@ -33,24 +36,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import process_dt, silu
-from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, dot
+from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, dot, for_each_tail_block
 from pallas_kernels.metadata import ChunkMetadata
 
-# Head-dim rows per state-passing program (16 KiB fp32 tiles at N = 128).
-_STATE_PASSING_BLOCK_P = 32
+# Programs (per row block and head) that zero the bucket rows past the chunks.
+_TAIL_PROGRAMS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
-    """Tiling of the chunk-scan kernel and launch parameters of all three kernels."""
+    """Tiling of the state-scan and chunk-scan kernels, launch parameters of all three."""
 
     block_m: int = 64  # chunk rows per chunk-scan program
     block_k: int = 32  # chunk columns per step of the causal loop
+    block_t: int = 64  # chunk rows per step of the state scan
     num_warps: int = 4  # warps per program
-    num_stages: int = 2  # software-pipelining depth of the causal loop
+    num_stages: int = 2  # software-pipelining depth of the causal and state-scan loops
 
     def __post_init__(self):
-        for name in ("block_m", "block_k"):
+        for name in ("block_m", "block_k", "block_t"):
             value = getattr(self, name)
             if value < MIN_DOT_DIM or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
@@ -74,122 +78,113 @@ def _compiler_params(blocks: BlockSizes, num_stages: int | None = None):
     )
 
 
-# --------------------------------------------------------------------------- 1. chunk state
+# ----------------------------------------------------------- 1. chunk states, passed along
 
 
-def _chunk_state_kernel(
+def _state_scan_kernel(
+    order_ref,  # [B] int32: the sequences, longest first
+    first_chunk_ref,  # [B] int32: each sequence's first chunk
+    num_seq_chunks_ref,  # [B] int32: its number of chunks
     cu_ref,  # [max_chunks + 1] int32
     x_ref,  # [T, H, P]
     dt_ref,  # [T, H]
     A_ref,  # [H] fp32
     B_ref,  # [T, G, N]
     dt_bias_ref,  # [H] fp32 or None
+    initial_ref,  # [B, H, P, N] or None
+    zeros_ref,  # intermediate states' initial zeros (aliased to out_ref) or None
     dt_out_ref,  # [H, max_chunks, bcs] fp32: dt' (0 past the chunk's end)
     cum_ref,  # [H, max_chunks, bcs] fp32: within-chunk cumulative dt' A
-    state_ref,  # [max_chunks, H, bp, bn] fp32: the chunk's state from a zero start
+    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype: the state entering each chunk
+    out_ref,  # [B, H, P, N] final, or [max_chunks, H, P, N] after each chunk
     *,
     heads_per_group: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     head_dim: int,
     state_dim: int,
+    block_t: int,
+    intermediate: bool,
 ):
+    del zeros_ref  # only supplies out_ref's initial contents
     # Heads vary fastest: programs in flight together read whole token rows of x and
-    # share the group's B in L2 (chunk-major order would scatter 128-byte reads).
-    h, c = pl.program_id(0), pl.program_id(1)
+    # share the group's B in L2.
+    h, b = pl.program_id(0), order_ref[pl.program_id(1)]
     g = h // heads_per_group
-    start = cu_ref[c]
-    length = cu_ref[c + 1] - start
+    bp, bn = carried_ref.shape[2:]
     bcs = cum_ref.shape[2]
-    bp, bn = state_ref.shape[2:]
+    steps_per_chunk = bcs // block_t
+    rows = jnp.arange(block_t)
+    p_live = jnp.arange(bp) < head_dim
+    n_live = jnp.arange(bn) < state_dim
+    state_mask = p_live[:, None] & n_live[None, :]
+    bias = None if dt_bias_ref is None else dt_bias_ref[h]
+    if initial_ref is None:
+        state = jnp.zeros((bp, bn), jnp.float32)
+    else:
+        state = plgpu.load(
+            initial_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)], mask=state_mask, other=0.0
+        ).astype(jnp.float32)
+    first = first_chunk_ref[b]
 
-    @pl.when(length > 0)
-    def _():
-        rows = jnp.arange(bcs)
-        live = rows < length
-        dt = plgpu.load(dt_ref.at[pl.ds(start, bcs), h], mask=live, other=0.0)
-        bias = None if dt_bias_ref is None else dt_bias_ref[h]
+    def step(i, carry):
+        # One block_t-row step of chunk c. The state recursion runs at step granularity,
+        # s <- exp(Σ_step dt'A) s + Σ_j exp(end - cum_j) dt'_j x_j ⊗ B_j, so a chunk's
+        # state never needs its rows all at once and the loads pipeline across steps.
+        state, prefix = carry  # prefix: cum at the end of the chunk's previous step
+        # lax.div/rem: i >= 0, and jnp's floor semantics do not lower through Triton.
+        c = first + jax.lax.div(i, steps_per_chunk)
+        row0 = pl.multiple_of(jax.lax.rem(i, steps_per_chunk) * block_t, block_t)
+        start = cu_ref[c] + row0
+        num_live = cu_ref[c + 1] - start  # may be <= 0 (past a short chunk's end) or > block_t
+        live = rows < num_live
+        dt = plgpu.load(dt_ref.at[pl.ds(start, block_t), h], mask=live, other=0.0)
         dt = process_dt(dt.astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
         dt = jnp.where(live, dt, 0.0)
-        cum = jnp.cumsum(dt * A_ref[h])
-        # NOTE: the chunk total is cum at the chunk's last row, copied to the masked rows
-        # after it. A parallel scan rounds cum[bcs - 1] differently from cum[length - 1]
-        # even though only zeros lie between; with large |A dt| that rounding, through
-        # exp(cum_last - cum_j), would scale the last token's contribution.
-        cum_last = jnp.sum(jnp.where(rows == length - 1, cum, 0.0))
-        cum = jnp.where(live, cum, cum_last)
-        dt_out_ref[h, c, :] = dt
-        cum_ref[h, c, :] = cum
+        cum = prefix + jnp.cumsum(dt * A_ref[h])
+        # NOTE: the step's total is cum at its last live row, copied to the masked rows
+        # after it. A parallel scan rounds cum[block_t - 1] differently from the last live
+        # row's even though only zeros lie between; with large |A dt| that rounding,
+        # through exp(end - cum_j), would scale the last token's contribution.
+        last_row = jnp.minimum(num_live, block_t) - 1
+        end = jnp.where(num_live > 0, jnp.sum(jnp.where(rows == last_row, cum, 0.0)), prefix)
+        cum = jnp.where(live, cum, end)
+        dt_out_ref[h, c, pl.ds(row0, block_t)] = dt
+        cum_ref[h, c, pl.ds(row0, block_t)] = cum
 
-        p_live = jnp.arange(bp) < head_dim
-        n_live = jnp.arange(bn) < state_dim
         x = plgpu.load(
-            x_ref.at[pl.ds(start, bcs), h, pl.ds(0, bp)],
+            x_ref.at[pl.ds(start, block_t), h, pl.ds(0, bp)],
             mask=live[:, None] & p_live[None, :],
             other=0.0,
         )
         B = plgpu.load(
-            B_ref.at[pl.ds(start, bcs), g, pl.ds(0, bn)],
+            B_ref.at[pl.ds(start, block_t), g, pl.ds(0, bn)],
             mask=live[:, None] & n_live[None, :],
             other=0.0,
         )
-        weight = jnp.exp(jnp.minimum(cum_last - cum, 0.0)) * dt  # decay to the chunk end
+        weight = jnp.exp(jnp.minimum(end - cum, 0.0)) * dt  # decay to the step's end
         B_weighted = (B.astype(jnp.float32) * weight[:, None]).astype(x.dtype)
-        state_ref[c, h, :, :] = dot(x, B_weighted, trans_a=True)  # [bp, bn]
-
-
-# ------------------------------------------------------------------------ 2. state passing
-
-
-def _state_passing_kernel(
-    first_chunk_ref,  # [B] int32: each sequence's first chunk
-    num_seq_chunks_ref,  # [B] int32: its number of chunks
-    cum_ref,  # [H, max_chunks, bcs] fp32
-    state_ref,  # [max_chunks, H, bp, bn] fp32
-    initial_ref,  # [B, H, P, N] or None
-    zeros_ref,  # intermediate states' initial zeros (aliased to out_ref) or None
-    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype: state entering each chunk
-    out_ref,  # [B, H, P, N] final, or [max_chunks, H, P, N] after each chunk
-    *,
-    head_dim: int,
-    state_dim: int,
-    intermediate: bool,
-    block_p: int,
-):
-    del zeros_ref  # only supplies out_ref's initial contents
-    # One program per (sequence, head, head-dim block): the walk along a sequence is
-    # sequential and latency-bound, so more independent walks keep more loads in flight.
-    b, h, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bn = state_ref.shape[3]
-    bcs = cum_ref.shape[2]
-    p0 = pb * block_p
-    rows = pl.ds(p0, block_p)
-    mask = (p0 + jnp.arange(block_p) < head_dim)[:, None] & (jnp.arange(bn) < state_dim)[None, :]
-    if initial_ref is None:
-        state = jnp.zeros((block_p, bn), jnp.float32)
-    else:
-        state = plgpu.load(initial_ref.at[b, h, rows, pl.ds(0, bn)], mask=mask, other=0.0).astype(
-            jnp.float32
-        )
-    first = first_chunk_ref[b]
-    last_row = jnp.arange(bcs) == bcs - 1
-
-    def step(i, state):
-        c = first + i
-        # Stored in the dtype the chunk scan's tensor-core dot takes it in (rounding
-        # here instead of after a fp32 round trip: the same values, half the bytes).
-        carried_ref[c, h, rows, :] = state.astype(carried_ref.dtype)
-        chunk_total = jnp.sum(jnp.where(last_row, cum_ref[h, c, :], 0.0))
-        state = jnp.exp(jnp.minimum(chunk_total, 0.0)) * state + state_ref[c, h, rows, :]
+        # Stored in the dtype the chunk scan's tensor-core dot takes it in.
+        first_step = jnp.broadcast_to(row0 == 0, (bp, bn))
+        plgpu.store(carried_ref.at[c, h], state.astype(carried_ref.dtype), mask=first_step)
+        state = jnp.exp(jnp.minimum(end - prefix, 0.0)) * state + dot(x, B_weighted, trans_a=True)
+        last_step = row0 == bcs - block_t
         if intermediate:
             plgpu.store(
-                out_ref.at[c, h, rows, pl.ds(0, bn)], state.astype(out_ref.dtype), mask=mask
+                out_ref.at[c, h, pl.ds(0, bp), pl.ds(0, bn)],
+                state.astype(out_ref.dtype),
+                mask=state_mask & last_step,
             )
-        return state
+        return state, jnp.where(last_step, 0.0, end)
 
-    state = jax.lax.fori_loop(0, num_seq_chunks_ref[b], step, state)
+    num_steps = num_seq_chunks_ref[b] * steps_per_chunk
+    state, _ = jax.lax.fori_loop(0, num_steps, step, (state, jnp.float32(0.0)))
     if not intermediate:
-        plgpu.store(out_ref.at[b, h, rows, pl.ds(0, bn)], state.astype(out_ref.dtype), mask=mask)
+        plgpu.store(
+            out_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)],
+            state.astype(out_ref.dtype),
+            mask=state_mask,
+        )
 
 
 # ------------------------------------------------------------------------------ 3a. C·Bᵀ
@@ -326,19 +321,24 @@ def _chunk_scan_kernel(
     # Programs past the chunks zero the bucket rows no sequence owns: [total, T).
     @pl.when(c >= max_chunks)
     def _tail():
-        total = cu_ref[max_chunks]
-        row0 = (c - max_chunks) * bcs + m * block_m
-        rows = row0 + jnp.arange(block_m)
         num_tokens = y_ref.shape[0]
 
-        @pl.when((row0 + block_m > total) & (row0 < num_tokens))
-        def _():
-            dead = (rows >= total) & (rows < num_tokens)
+        def zero(row0):
+            rows = row0 + m * block_m + jnp.arange(block_m)
             plgpu.store(
-                y_ref.at[pl.ds(row0, block_m), h, pl.ds(0, bp)],
+                y_ref.at[pl.ds(row0 + m * block_m, block_m), h, pl.ds(0, bp)],
                 jnp.zeros((block_m, bp), y_ref.dtype),
-                mask=dead[:, None] & p_live[None, :],
+                mask=(rows < num_tokens)[:, None] & p_live[None, :],
             )
+
+        for_each_tail_block(
+            zero,
+            total=cu_ref[max_chunks],
+            num_rows=num_tokens,
+            block=bcs,
+            program=c - max_chunks,
+            num_programs=_TAIL_PROGRAMS,
+        )
 
 
 # ------------------------------------------------------------------------------- wrapper
@@ -370,77 +370,78 @@ class _Shapes:
         return block_dim(self.state_dim, MIN_DOT_DIM)
 
 
-def chunk_state(s: _Shapes, cu, x, dt, A, B, dt_bias, *, dt_softplus, dt_limit, blocks, interpret):
-    """Stage 1: ``(dt'[H, max_chunks, bcs], cum[H, max_chunks, bcs],
-    chunk_states[max_chunks, H, bp, bn])``, all fp32."""
-    f32 = jnp.float32
-    bcs = s.block_chunk
-    return pl.pallas_call(
-        functools.partial(
-            _chunk_state_kernel,
-            heads_per_group=s.heads // s.groups,
-            dt_softplus=dt_softplus,
-            dt_limit=dt_limit,
-            head_dim=s.head_dim,
-            state_dim=s.state_dim,
-        ),
-        grid=(s.heads, s.max_chunks),
-        out_shape=(
-            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
-            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
-            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), f32),
-        ),
-        compiler_params=_compiler_params(blocks, num_stages=1),
-        interpret=interpret,
-        name=f"ssd_chunk_state_cs{s.chunk_size}",
-    )(cu, x, dt, A, B, dt_bias)
-
-
-def state_passing(
+def state_scan(
     s: _Shapes,
     metadata: ChunkMetadata,
-    cum,
-    chunk_states,
+    x,
+    dt,
+    A,
+    B,
+    dt_bias,
     initial_states,
     *,
+    dt_softplus,
+    dt_limit,
     intermediate: bool,
     state_dtype,
     carried_dtype,
     blocks,
     interpret,
 ):
-    """Stage 2: ``(carried[max_chunks, H, bp, bn], states)``, ``carried`` being the
-    state entering each chunk and ``states`` the final ``[B, H, P, N]`` or, with
+    """Stage 1: ``(dt'[H, max_chunks, bcs], cum[H, max_chunks, bcs],
+    carried[max_chunks, H, bp, bn], states)``: dt' and the within-chunk cumulative decay
+    (fp32), the state entering each chunk, and the final ``[B, H, P, N]`` or, with
     ``intermediate``, the after-each-chunk ``[max_chunks, H, P, N]`` states."""
+    f32 = jnp.float32
+    bcs = s.block_chunk
+    block_t = min(blocks.block_t, bcs)
     # Each sequence's chunk range; seq_idx is non-decreasing over the real chunks.
     seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
     first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
     last = metadata.last_chunk_indices
     num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
+    # Longest walks first, so the last programs to start are short ones.
+    order = jnp.argsort(-num_seq_chunks, stable=True).astype(jnp.int32)
     out_rows = s.max_chunks if intermediate else s.num_seqs
     states_shape = jax.ShapeDtypeStruct((out_rows, s.heads, s.head_dim, s.state_dim), state_dtype)
     zeros = jnp.zeros(states_shape.shape, state_dtype) if intermediate else None
-    args = (first_chunk.astype(jnp.int32), num_seq_chunks, cum, chunk_states, initial_states, zeros)
+    args = (
+        order,
+        first_chunk.astype(jnp.int32),
+        num_seq_chunks,
+        metadata.cu_chunk_seqlens,
+        x,
+        dt,
+        A,
+        B,
+        dt_bias,
+        initial_states,
+        zeros,
+    )
     # Intermediate states start as zeros so padding chunks read 0 (None args take no slot).
     zeros_index = sum(a is not None for a in args[:-1])
-    block_p = min(s.block_p, _STATE_PASSING_BLOCK_P)
     return pl.pallas_call(
         functools.partial(
-            _state_passing_kernel,
-            intermediate=intermediate,
+            _state_scan_kernel,
+            heads_per_group=s.heads // s.groups,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
             head_dim=s.head_dim,
             state_dim=s.state_dim,
-            block_p=block_p,
+            block_t=block_t,
+            intermediate=intermediate,
         ),
-        grid=(s.num_seqs, s.heads, s.block_p // block_p),
+        grid=(s.heads, s.num_seqs),
         out_shape=(
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
             jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), carried_dtype),
             states_shape,
         ),
-        input_output_aliases={zeros_index: 1} if intermediate else {},
-        compiler_params=_compiler_params(blocks, num_stages=1),
+        input_output_aliases={zeros_index: 3} if intermediate else {},
+        compiler_params=_compiler_params(blocks),
         interpret=interpret,
-        name=f"ssd_state_passing_intermediate{int(intermediate)}",
+        name=f"ssd_state_scan_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}",
     )(*args)
 
 
@@ -462,7 +463,6 @@ def chunk_scan(s: _Shapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, block
     """Stage 3b: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed."""
     bcs = s.block_chunk
     block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
-    tail_programs = pl.cdiv(s.num_tokens, bcs)
     return pl.pallas_call(
         functools.partial(
             _chunk_scan_kernel,
@@ -472,7 +472,7 @@ def chunk_scan(s: _Shapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, block
             head_dim=s.head_dim,
             state_dim=s.state_dim,
         ),
-        grid=(bcs // block_m, s.heads, s.max_chunks + tail_programs),
+        grid=(bcs // block_m, s.heads, s.max_chunks + _TAIL_PROGRAMS),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=_compiler_params(blocks),
         interpret=interpret,
@@ -515,35 +515,27 @@ def ssd_scan(
     )
     blocks = block_sizes or default_block_sizes(chunk_size, P, N)
     f32 = jnp.float32
-    cu = metadata.cu_chunk_seqlens
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    dt_chunks, cum, chunk_states = chunk_state(
+    dt_chunks, cum, carried, states = state_scan(
         s,
-        cu,
+        metadata,
         x,
         dt,
         A.astype(f32),
         B,
         dt_bias,
+        initial_states,
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
-        blocks=blocks,
-        interpret=interpret,
-    )
-    carried, states = state_passing(
-        s,
-        metadata,
-        cum,
-        chunk_states,
-        initial_states,
         intermediate=return_intermediate_states,
         state_dtype=state_dtype,
         carried_dtype=C.dtype,
         blocks=blocks,
         interpret=interpret,
     )
+    cu = metadata.cu_chunk_seqlens
     cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
     y = chunk_scan(
         s, cu, x, C, cb, dt_chunks, cum, carried, D, z, blocks=blocks, interpret=interpret

@@ -65,7 +65,7 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
         spec((num_seqs + 1,), jnp.int32),
         spec((num_seqs,), jnp.int32),
     )
-    for name in ("ssd_chunk_state", "ssd_state_passing", "ssd_chunk_cb", "ssd_chunk_scan"):
+    for name in ("ssd_state_scan", "ssd_chunk_cb", "ssd_chunk_scan"):
         assert name in text
 
 

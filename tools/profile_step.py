@@ -1,0 +1,111 @@
+"""Where one serving step's device time goes, kernel by kernel (GPU).
+
+``PYTHONPATH=. python3 tools/profile_step.py [--pattern MMMM*] [--rows 256] [--context 4096]``
+``[--prompt 0] [--impl auto] [--top 25] [--trace-dir DIR]``
+
+Builds a Bamba-9B-shaped model with the given layer pattern (random init, bf16; a few
+layers stand for the 32, each layer kind costing the same per layer), one engine step of
+``rows`` sequences (decode rows with ``context`` cached tokens, or ``--prompt N`` new tokens
+per sequence), times it, then runs it under ``jax.profiler`` with a Perfetto trace and sums
+the device ops' time by name. Nsight Systems does not run on the GPU machines; this does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import harness
+from flax_models.batching import Request
+from flax_models.config import HybridConfig
+from flax_models.engine import Engine
+from flax_models.model import HybridLM
+
+
+def device_op_times(trace_dir: Path) -> tuple[collections.Counter, collections.Counter]:
+    """(total µs, calls) per op name over the device (GPU) tracks of the Perfetto trace."""
+    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    processes = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device = {pid for pid, name in processes.items() if "GPU" in name or "/device:" in name}
+    if not device:  # e.g. a CPU run: every track, so the summary still says something
+        device = set(processes)
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device:
+            total[e["name"]] += e.get("dur", 0)
+            calls[e["name"]] += 1
+    return total, calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pattern", default="MMMM*")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--prompt", type=int, default=0, help="new tokens per sequence")
+    parser.add_argument("--impl", default="auto")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps")
+    parser.add_argument("--trace-dir", default="/tmp/profile_step")
+    args = parser.parse_args()
+
+    cfg = HybridConfig.bamba_9b(layer_pattern=args.pattern)
+    model = HybridLM(cfg, dtype=jnp.bfloat16, implementation=args.impl, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    if args.prompt:
+        tokens = args.rows * args.prompt
+        engine = Engine(
+            model,
+            max_slots=args.rows,
+            max_len=args.prompt,
+            token_budget=tokens,
+            decode_buckets=(1,),
+            token_buckets=(tokens,),
+        )
+        prompts = [list(rng.integers(0, cfg.vocab_size, args.prompt)) for _ in range(args.rows)]
+        arrays = engine.builder.build([], [Request(s, p, 0) for s, p in enumerate(prompts)])
+    else:
+        engine = Engine(
+            model,
+            max_slots=args.rows,
+            max_len=args.context + 1,
+            token_budget=args.rows,
+            decode_buckets=(args.rows,),
+            token_buckets=(16,),
+        )
+        decode = [
+            Request(s, [int(rng.integers(cfg.vocab_size))], args.context) for s in range(args.rows)
+        ]
+        arrays = engine.builder.build(decode, [])
+    timing = harness.time_fn(lambda: engine.step(arrays), warmup=2, samples=10)
+    kind = f"prefill {args.rows}x{args.prompt}" if args.prompt else f"decode {args.rows} rows"
+    print(f"{args.pattern} {args.impl} {kind}, context {args.context}: {timing.median_ms:.3f} ms")
+
+    trace_dir = Path(args.trace_dir)
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(args.steps):
+            engine.step(arrays)
+    total, calls = device_op_times(trace_dir)
+    overall = sum(total.values()) / args.steps
+    print(f"device ops: {overall / 1e3:.3f} ms per step")
+    for name, us in total.most_common(args.top):
+        share = us / args.steps
+        print(f"  {share / 1e3:9.3f} ms {calls[name] // args.steps:5d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
