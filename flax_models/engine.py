@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -104,8 +105,10 @@ class Engine:
         last_rows = jnp.maximum(query_start_loc[1:] - 1, 0)
         return model.forward(tokens, batch, caches, logits_rows=last_rows)
 
-    def step(self, arrays: StepArrays) -> np.ndarray:
-        """Runs one built step; returns the last-token logits of every sequence row."""
+    def step(self, arrays: StepArrays) -> jax.Array:
+        """Runs one built step; returns the last-token logits of every sequence row,
+        ``[R, V]`` fp32, on the device (a 256-row step's logits are 128 MiB at V = 128k:
+        copying them to the host would take longer than the step; sample on the device)."""
         start = time.perf_counter()
         logits, self.caches = self._jitted(
             self._params,
@@ -116,8 +119,8 @@ class Engine:
             arrays.slot_ids,
             num_decode=arrays.num_decode,
         )
-        logits = np.asarray(logits)
         if arrays.num_requests:  # warm-up steps are not traffic
+            logits.block_until_ready()
             kind = "prefill" if arrays.bucket[1] else "decode"
             self.stats[f"{kind}_seconds"] += time.perf_counter() - start
             self.stats[f"{kind}_tokens"] += arrays.num_tokens
@@ -172,7 +175,7 @@ class Engine:
                     f"prompt {i}: {len(prompt)} tokens + {max_new_tokens} new "
                     f"exceed max_len={self.builder.max_len}"
                 )
-        rng = np.random.default_rng(seed)
+        key = jax.random.key(seed)
         waiting = collections.deque(_Sequence(i, list(p)) for i, p in enumerate(prompts))
         running: list[_Sequence] = []
         finished: dict[int, list[int]] = {}
@@ -197,7 +200,8 @@ class Engine:
                     for s, n in prefill
                 ],
             )
-            logits = self.step(arrays)
+            key, step_key = jax.random.split(key)
+            tokens = np.asarray(sample_tokens(self.step(arrays), step_key, temperature, top_k))
             fed = [(s, 1) for s in decode] + prefill
             for (seq, count), row in zip(
                 fed, self.builder.request_rows(arrays, len(decode)), strict=True
@@ -205,7 +209,7 @@ class Engine:
                 seq.num_computed += count
                 if not seq.prompt_done:
                     continue
-                token = _sample(logits[row], temperature, top_k, rng)
+                token = int(tokens[row])
                 seq.generated.append(token)
                 bar.advance()
                 if len(seq.generated) == max_new_tokens or token == eos_id:
@@ -216,17 +220,30 @@ class Engine:
         return [finished[i] for i in range(len(prompts))]
 
 
-def _sample(
-    logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator
-) -> int:
+def sample_tokens(
+    logits: jax.Array, key: jax.Array, temperature: float = 0.0, top_k: int | None = None
+) -> jax.Array:
+    """Next token of each row of ``logits[R, V]``, ``int32[R]``, on the device: the argmax at
+    ``temperature <= 0``; otherwise a draw from ``softmax(logits / temperature)`` restricted
+    to the ``top_k`` largest logits (all when None)."""
     if temperature <= 0.0:
-        return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / temperature
-    if top_k is not None and top_k < scaled.shape[0]:
-        cutoff = np.partition(scaled, -top_k)[-top_k]
-        scaled = np.where(scaled >= cutoff, scaled, -np.inf)
-    probs = np.exp(scaled - scaled.max())
-    return int(rng.choice(scaled.shape[0], p=probs / probs.sum()))
+        return _greedy(logits)
+    top_k = None if top_k is None or top_k >= logits.shape[-1] else int(top_k)
+    return _draw(logits, key, jnp.float32(temperature), top_k=top_k)
+
+
+@jax.jit
+def _greedy(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k",))
+def _draw(logits: jax.Array, key: jax.Array, temperature: jax.Array, *, top_k: int | None):
+    scaled = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        cutoff = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
 class _Progress:
