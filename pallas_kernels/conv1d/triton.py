@@ -2,10 +2,11 @@
 
 Prefill (``causal_conv1d``): one program per (channel block, token block of one sequence).
 Token blocks are aligned to each sequence's start (:func:`sequence_block_table`), so a
-block never holds two sequences. A program walks its ``block_t`` rows in order with the
-last ``K−1`` inputs in registers (a sliding window, unrolled so every row's load is
-independent and in flight at once): each input element is read from memory once, plus a
-``K−1`` row halo per block. (K shifted tile loads read every element K times through L2
+block never holds two sequences. A program walks its ``block_t`` rows in order, ``unroll_t``
+rows per loop step, with the last ``K−1`` inputs in registers (a sliding window; each
+step's rows unrolled, and the next step's rows loaded before this step's are stored, so
+loads stay in flight): each input element is read from memory once, plus a ``K−1`` row
+halo per block. (K shifted tile loads read every element K times through L2
 and were bound by L2 bandwidth at a third of the copy rate on an H200.) A sequence's first
 block takes its window from the slot's conv state when ``has_initial_state``, zeros
 otherwise; later blocks from the sequence's own earlier tokens. The first block also
@@ -43,29 +44,33 @@ _TAIL_PROGRAMS = 8
 class BlockSizes:
     """Tiling of the conv kernels."""
 
-    block_t: int = 32  # tokens per prefill program (>= K - 1), unrolled
+    block_t: int = 128  # tokens per prefill program
+    unroll_t: int = 16  # tokens per step of a prefill program's loop (>= K - 1), unrolled
     block_d: int = 256  # channels per program
     num_warps: int = 2  # warps per program
 
     def __post_init__(self):
-        for name in ("block_t", "block_d"):
+        for name in ("block_t", "unroll_t", "block_d"):
             value = getattr(self, name)
             if value < 4 or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= 4")
+        if self.unroll_t > self.block_t:
+            raise ValueError(f"unroll_t={self.unroll_t} must be <= block_t={self.block_t}")
         if self.num_warps < 1:
             raise ValueError(f"num_warps={self.num_warps} must be >= 1")
 
 
 def default_block_sizes(dim: int) -> BlockSizes:
-    """Measured on an H200 (tools/tune_conv1d.py, bamba-conv): 32 rows × 256 channels on
-    two warps, 4 channels per thread per row. One warp (8 channels per thread) or wider
-    blocks run out of registers for 32 unrolled rows and take twice as long."""
-    return BlockSizes(block_t=32, block_d=min(256, block_dim(dim, 4)), num_warps=2)
+    """256 channels on two warps (4 channels per thread per row; one warp or wider blocks
+    ran out of registers for the unrolled rows on an H200, tools/tune_conv1d.py), 128
+    tokens per program in steps of 16 rows: one program per 16 rows (67k programs on
+    bamba-conv) reached only 54 % of the copy bandwidth."""
+    return BlockSizes(block_t=128, unroll_t=16, block_d=min(256, block_dim(dim, 4)), num_warps=2)
 
 
 def default_update_block_sizes(dim: int) -> BlockSizes:
     """Decode moves few bytes per row: 256-channel blocks on 4 warps (``block_t`` unused)."""
-    return BlockSizes(block_t=4, block_d=min(256, block_dim(dim, 4)), num_warps=4)
+    return BlockSizes(block_t=4, unroll_t=4, block_d=min(256, block_dim(dim, 4)), num_warps=4)
 
 
 def _activate(y: jax.Array, activation: str | None) -> jax.Array:
@@ -90,6 +95,7 @@ def _prefill_kernel(
     *,
     width: int,
     block_t: int,
+    unroll_t: int,
     block_d: int,
     activation: str | None,
 ):
@@ -139,23 +145,35 @@ def _prefill_kernel(
             bias = None
             if bias_ref is not None:
                 bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
-            # Every row's load is issued before any store: a store may alias a later load
-            # as far as the compiler knows, so loads interleaved with stores would each
-            # wait for the one before (one row in flight per program).
-            inputs = [x_row(row0 + r, row0 + r < seq_end) for r in range(block_t)]
-            taps_all = window + inputs
-            for r in range(block_t):
-                row = row0 + r
-                taps = taps_all[r : r + width]
-                y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
-                if bias is not None:
-                    y = y + bias
-                y = jnp.where(slot >= 0, _activate(y, activation), 0.0)
-                plgpu.store(
-                    y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
-                    y.astype(y_ref.dtype),
-                    mask=d_live & (row < seq_end),
-                )
+            block_end = jnp.minimum(row0 + block_t, seq_end)
+
+            def load_rows(first_row):
+                return [x_row(first_row + r, first_row + r < block_end) for r in range(unroll_t)]
+
+            def rows_step(j, carry):
+                window, current = carry  # the K-1 inputs before this step's rows; its rows
+                step_row = row0 + j * unroll_t
+                # The next step's loads go out before this step's stores: a store may alias
+                # a later load as far as the compiler knows, so loads issued after stores
+                # would each wait for the one before. Past the block they are masked off.
+                upcoming = load_rows(step_row + unroll_t)
+                taps_all = window + current
+                for r in range(unroll_t):
+                    row = step_row + r
+                    taps = taps_all[r : r + width]
+                    y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
+                    if bias is not None:
+                        y = y + bias
+                    y = jnp.where(slot >= 0, _activate(y, activation), 0.0)
+                    plgpu.store(
+                        y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
+                        y.astype(y_ref.dtype),
+                        mask=d_live & (row < block_end),
+                    )
+                return taps_all[len(taps_all) - (width - 1) :], upcoming
+
+            num_steps = pl.cdiv(block_end - row0, unroll_t)
+            jax.lax.fori_loop(0, num_steps, rows_step, (window, load_rows(row0)))
 
             # New state: the last K-1 inputs of history ++ tokens.
             @pl.when(first & (slot >= 0))
@@ -215,8 +233,9 @@ def causal_conv1d(
         if interpret:
             # The row loop is unrolled: interpret mode compiles every row's ops, so the
             # CPU takes short blocks (more of them, the same code path).
-            block_sizes = dataclasses.replace(block_sizes, block_t=4)
-    block_t = max(block_sizes.block_t, block_dim(width - 1))
+            block_sizes = dataclasses.replace(block_sizes, block_t=8, unroll_t=4)
+    unroll_t = max(block_sizes.unroll_t, block_dim(width - 1))
+    block_t = max(block_sizes.block_t, unroll_t)
     block_d = block_sizes.block_d
     num_blocks = pl.cdiv(num_tokens, block_t) + num_seqs
     block_seq, block_row = sequence_block_table(
@@ -239,6 +258,7 @@ def causal_conv1d(
             _prefill_kernel,
             width=width,
             block_t=block_t,
+            unroll_t=unroll_t,
             block_d=block_d,
             activation=activation,
         ),
@@ -251,7 +271,7 @@ def causal_conv1d(
         input_output_aliases={cache_index: 1},
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
         interpret=interpret,
-        name=f"causal_conv1d_k{width}_bt{block_t}_bd{block_d}",
+        name=f"causal_conv1d_k{width}_bt{block_t}_ut{unroll_t}_bd{block_d}",
     )(*args)
 
 
