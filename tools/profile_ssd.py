@@ -20,13 +20,11 @@ from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.ssd import triton as ssd_triton
 
 CANDIDATES = [
-    dict(block_m=64, block_k=32, block_t=64, block_h=2, num_warps=4, num_stages=2),  # defaults
-    dict(block_m=64, block_k=32, block_t=64, block_h=1, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=32, block_t=32, block_h=2, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=32, block_t=64, block_h=2, num_warps=4, num_stages=3),
-    dict(block_m=64, block_k=32, block_t=128, block_h=2, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=32, block_t=64, block_h=4, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=64, block_t=64, block_h=2, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=32, block_t=64, num_warps=4, num_stages=2),  # the defaults
+    dict(block_m=64, block_k=32, block_t=128, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=32, block_t=32, num_warps=4, num_stages=2),
+    dict(block_m=64, block_k=32, block_t=64, num_warps=4, num_stages=3),
+    dict(block_m=64, block_k=64, block_t=64, num_warps=4, num_stages=2),
 ]
 
 

@@ -25,14 +25,13 @@ from pallas_kernels.testing import relative_error
 CONV_CANDIDATES = [
     dict(block_t=bt, unroll_t=ut, block_d=bd, num_warps=w)
     for bt, ut, bd, w in [
-        (128, 16, 256, 2),  # the defaults
-        (16, 16, 256, 2),  # one step per program: the previous defaults' shape
-        (64, 16, 256, 2),
-        (256, 16, 256, 2),
-        (128, 8, 256, 2),
-        (128, 32, 256, 4),
-        (128, 16, 512, 4),
-        (128, 16, 128, 1),
+        (128, 8, 256, 2),  # the defaults
+        (128, 4, 256, 2),
+        (256, 8, 256, 2),
+        (64, 8, 256, 2),
+        (128, 8, 128, 1),
+        (128, 8, 512, 4),
+        (128, 16, 256, 2),
     ]
 ]
 NORM_CANDIDATES = [dict(block_rows=r, num_warps=w) for r, w in [(1, 8), (1, 16)]]

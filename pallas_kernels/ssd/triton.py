@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,13 +50,10 @@ class BlockSizes:
     block_m: int = 64  # chunk rows per chunk-scan program
     block_k: int = 32  # chunk columns per step of the causal loop
     block_t: int = 64  # chunk rows per step of the state scan
-    block_h: int = 2  # heads (of one group) per state-scan program
     num_warps: int = 4  # warps per program
     num_stages: int = 2  # software-pipelining depth of the causal and state-scan loops
 
     def __post_init__(self):
-        if self.block_h < 1 or self.block_h & (self.block_h - 1):
-            raise ValueError(f"block_h={self.block_h} must be a power of two")
         for name in ("block_m", "block_k", "block_t"):
             value = getattr(self, name)
             if value < MIN_DOT_DIM or value & (value - 1):
@@ -97,13 +93,12 @@ def _state_scan_kernel(
     dt_bias_ref,  # [H] fp32 or None
     initial_ref,  # [B, H, P, N] or None
     zeros_ref,  # intermediate states' initial zeros (aliased to out_ref) or None
-    dt_out_ref,  # [max_chunks, bcs, H] fp32: dt' (0 past the chunk's end)
-    cum_ref,  # [max_chunks, bcs, H] fp32: within-chunk cumulative dt' A
-    carried_ref,  # [max_chunks, H * bp, bn] in C's dtype: the state entering each chunk
+    dt_out_ref,  # [H, max_chunks, bcs] fp32: dt' (0 past the chunk's end)
+    cum_ref,  # [H, max_chunks, bcs] fp32: within-chunk cumulative dt' A
+    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype: the state entering each chunk
     out_ref,  # [B, H, P, N] final, or [max_chunks, H, P, N] after each chunk
     *,
     heads_per_group: int,
-    block_h: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     head_dim: int,
@@ -113,70 +108,53 @@ def _state_scan_kernel(
 ):
     del zeros_ref  # only supplies out_ref's initial contents
     # Heads vary fastest: programs in flight together read whole token rows of x and
-    # share the group's B in L2. Each program takes block_h heads of one group, so one B
-    # load and one dot (M = block_h · P) serve them all.
-    h0, b = pl.program_id(0) * block_h, order_ref[pl.program_id(1)]
-    heads = pl.ds(h0, block_h)
-    g = h0 // heads_per_group
-    bn = carried_ref.shape[2]
-    bp = carried_ref.shape[1] // dt_ref.shape[1]
-    bcs = cum_ref.shape[1]
+    # share the group's B in L2.
+    h, b = pl.program_id(0), order_ref[pl.program_id(1)]
+    g = h // heads_per_group
+    bp, bn = carried_ref.shape[2:]
+    bcs = cum_ref.shape[2]
     steps_per_chunk = bcs // block_t
     rows = jnp.arange(block_t)
     p_live = jnp.arange(bp) < head_dim
     n_live = jnp.arange(bn) < state_dim
-    state_mask = jnp.broadcast_to(p_live[None, :, None] & n_live[None, None, :], (block_h, bp, bn))
-    A = A_ref[heads]
-    bias = None if dt_bias_ref is None else dt_bias_ref[heads]
-
-    def per_row(v):  # [block_h] → [block_h · bp]: each head's value on its state rows
-        return jnp.broadcast_to(v[:, None], (block_h, bp)).reshape(block_h * bp)
-
-    def store_states(ref, index, state, **kwargs):
-        plgpu.store(
-            ref.at[index, heads, pl.ds(0, bp), pl.ds(0, bn)],
-            state.reshape(block_h, bp, bn).astype(ref.dtype),
-            **kwargs,
-        )
-
+    state_mask = p_live[:, None] & n_live[None, :]
+    bias = None if dt_bias_ref is None else dt_bias_ref[h]
     if initial_ref is None:
-        state = jnp.zeros((block_h * bp, bn), jnp.float32)
+        state = jnp.zeros((bp, bn), jnp.float32)
     else:
         state = plgpu.load(
-            initial_ref.at[b, heads, pl.ds(0, bp), pl.ds(0, bn)], mask=state_mask, other=0.0
-        )
-        state = state.astype(jnp.float32).reshape(block_h * bp, bn)
+            initial_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)], mask=state_mask, other=0.0
+        ).astype(jnp.float32)
     first = first_chunk_ref[b]
 
     def step(i, carry):
         # One block_t-row step of chunk c. The state recursion runs at step granularity,
         # s <- exp(Σ_step dt'A) s + Σ_j exp(end - cum_j) dt'_j x_j ⊗ B_j, so a chunk's
         # state never needs its rows all at once and the loads pipeline across steps.
-        state, prefix = carry  # prefix[block_h]: cum at the end of the chunk's last step
+        state, prefix = carry  # prefix: cum at the end of the chunk's previous step
         # lax.div/rem: i >= 0, and jnp's floor semantics do not lower through Triton.
         c = first + jax.lax.div(i, steps_per_chunk)
         row0 = pl.multiple_of(jax.lax.rem(i, steps_per_chunk) * block_t, block_t)
         start = cu_ref[c] + row0
         num_live = cu_ref[c + 1] - start  # may be <= 0 (past a short chunk's end) or > block_t
         live = rows < num_live
-        dt = plgpu.load(dt_ref.at[pl.ds(start, block_t), heads], mask=live[:, None], other=0.0)
+        dt = plgpu.load(dt_ref.at[pl.ds(start, block_t), h], mask=live, other=0.0)
         dt = process_dt(dt.astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-        dt = jnp.where(live[:, None], dt, 0.0)  # [block_t, block_h]
-        cum = prefix[None, :] + jnp.cumsum(dt * A[None, :], axis=0)
+        dt = jnp.where(live, dt, 0.0)
+        cum = prefix + jnp.cumsum(dt * A_ref[h])
         # NOTE: the step's total is cum at its last live row, copied to the masked rows
         # after it. A parallel scan rounds cum[block_t - 1] differently from the last live
         # row's even though only zeros lie between; with large |A dt| that rounding,
         # through exp(end - cum_j), would scale the last token's contribution.
         last_row = jnp.minimum(num_live, block_t) - 1
-        end = jnp.sum(jnp.where((rows == last_row)[:, None], cum, 0.0), axis=0)
-        end = jnp.where(num_live > 0, end, prefix)
-        cum = jnp.where(live[:, None], cum, end[None, :])
-        dt_out_ref[c, pl.ds(row0, block_t), heads] = dt
-        cum_ref[c, pl.ds(row0, block_t), heads] = cum
+        end = jnp.where(num_live > 0, jnp.sum(jnp.where(rows == last_row, cum, 0.0)), prefix)
+        cum = jnp.where(live, cum, end)
+        dt_out_ref[h, c, pl.ds(row0, block_t)] = dt
+        cum_ref[h, c, pl.ds(row0, block_t)] = cum
 
         x = plgpu.load(
-            x_ref.at[pl.ds(start, block_t), heads, pl.ds(0, bp)],
-            mask=live[:, None, None] & p_live[None, None, :],
+            x_ref.at[pl.ds(start, block_t), h, pl.ds(0, bp)],
+            mask=live[:, None] & p_live[None, :],
             other=0.0,
         )
         B = plgpu.load(
@@ -184,31 +162,38 @@ def _state_scan_kernel(
             mask=live[:, None] & n_live[None, :],
             other=0.0,
         )
-        weight = jnp.exp(jnp.minimum(end[None, :] - cum, 0.0)) * dt  # decay to the step's end
-        x_weighted = (x.astype(jnp.float32) * weight[:, :, None]).astype(x.dtype)
-        x_weighted = x_weighted.reshape(block_t, block_h * bp)
+        # Weighting x (P columns) rather than B (N >= P columns) halves the elementwise work.
+        weight = jnp.exp(jnp.minimum(end - cum, 0.0)) * dt  # decay to the step's end
+        x_weighted = (x.astype(jnp.float32) * weight[:, None]).astype(x.dtype)
 
         @pl.when(row0 == 0)
         def _():
             # Stored in the dtype the chunk scan's tensor-core dot takes it in.
-            carried_ref[c, pl.ds(h0 * bp, block_h * bp), :] = state.astype(carried_ref.dtype)
+            carried_ref[c, h, :, :] = state.astype(carried_ref.dtype)
 
-        decay = per_row(jnp.exp(jnp.minimum(end - prefix, 0.0)))
-        state = decay[:, None] * state + dot(x_weighted, B.astype(x.dtype), trans_a=True)
+        decay = jnp.exp(jnp.minimum(end - prefix, 0.0))
+        state = decay * state + dot(x_weighted, B.astype(x.dtype), trans_a=True)  # [bp, bn]
         last_step = row0 == bcs - block_t
         if intermediate:
 
             @pl.when(last_step)
             def _():
-                store_states(out_ref, c, state, mask=state_mask)
+                plgpu.store(
+                    out_ref.at[c, h, pl.ds(0, bp), pl.ds(0, bn)],
+                    state.astype(out_ref.dtype),
+                    mask=state_mask,
+                )
 
         return state, jnp.where(last_step, 0.0, end)
 
     num_steps = num_seq_chunks_ref[b] * steps_per_chunk
-    carry = (state, jnp.zeros((block_h,), jnp.float32))
-    state, _ = jax.lax.fori_loop(0, num_steps, step, carry)
+    state, _ = jax.lax.fori_loop(0, num_steps, step, (state, jnp.float32(0.0)))
     if not intermediate:
-        store_states(out_ref, b, state, mask=state_mask)
+        plgpu.store(
+            out_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)],
+            state.astype(out_ref.dtype),
+            mask=state_mask,
+        )
 
 
 # ------------------------------------------------------------------------------ 3a. C·Bᵀ
@@ -258,8 +243,8 @@ def _chunk_scan_kernel(
     x_ref,  # [T, H, P]
     C_ref,  # [T, G, N]
     cb_ref,  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
-    dt_ref,  # [max_chunks, bcs, H] fp32: dt'
-    cum_ref,  # [max_chunks, bcs, H] fp32
+    dt_ref,  # [H, max_chunks, bcs] fp32: dt'
+    cum_ref,  # [H, max_chunks, bcs] fp32
     carried_ref,  # [max_chunks, H, bp, bn] in C's dtype
     D_ref,  # [H, P] fp32 or None
     z_ref,  # [T, H, P] or None
@@ -277,7 +262,7 @@ def _chunk_scan_kernel(
     g = h // heads_per_group
     max_chunks = cu_ref.shape[0] - 1
     bp, bn = carried_ref.shape[2:]
-    bcs = cum_ref.shape[1]
+    bcs = cum_ref.shape[2]
     p_live = jnp.arange(bp) < head_dim
     n_live = jnp.arange(bn) < state_dim
 
@@ -291,7 +276,7 @@ def _chunk_scan_kernel(
         def _():
             rows_i = row0 + jnp.arange(block_m)
             live_i = rows_i < length
-            cum_i = cum_ref[c, pl.ds(row0, block_m), h]
+            cum_i = cum_ref[h, c, pl.ds(row0, block_m)]
             C_i = plgpu.load(
                 C_ref.at[pl.ds(start + row0, block_m), g, pl.ds(0, bn)],
                 mask=live_i[:, None] & n_live[None, :],
@@ -315,8 +300,8 @@ def _chunk_scan_kernel(
                     mask=live_j[:, None] & p_live[None, :],
                     other=0.0,
                 )
-                cum_j = cum_ref[c, pl.ds(col0, block_k), h]
-                dt_j = dt_ref[c, pl.ds(col0, block_k), h]
+                cum_j = cum_ref[h, c, pl.ds(col0, block_k)]
+                dt_j = dt_ref[h, c, pl.ds(col0, block_k)]
                 cb = cb_ref[c, g, pl.ds(row0, block_m), pl.ds(col0, block_k)].astype(jnp.float32)
                 decay = jnp.exp(jnp.minimum(cum_i[:, None] - cum_j[None, :], 0.0))
                 causal = rows_i[:, None] >= rows_j[None, :]
@@ -412,17 +397,13 @@ def state_scan(
     blocks,
     interpret,
 ):
-    """Stage 1: ``(dt'[max_chunks, bcs, H], cum[max_chunks, bcs, H],
+    """Stage 1: ``(dt'[H, max_chunks, bcs], cum[H, max_chunks, bcs],
     carried[max_chunks, H, bp, bn], states)``: dt' and the within-chunk cumulative decay
     (fp32), the state entering each chunk, and the final ``[B, H, P, N]`` or, with
     ``intermediate``, the after-each-chunk ``[max_chunks, H, P, N]`` states."""
     f32 = jnp.float32
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
-    heads_per_group = s.heads // s.groups
-    block_h = math.gcd(blocks.block_h, heads_per_group)  # powers of two: divides both
-    # At most 64 fp32 state elements per thread.
-    num_warps = max(blocks.num_warps, min(8, block_h * s.block_p * s.block_n // 2048))
     # Each sequence's chunk range; seq_idx is non-decreasing over the real chunks.
     seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
     first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
@@ -448,11 +429,10 @@ def state_scan(
     )
     # Intermediate states start as zeros so padding chunks read 0 (None args take no slot).
     zeros_index = sum(a is not None for a in args[:-1])
-    dt_out, cum, carried, states = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(
             _state_scan_kernel,
-            heads_per_group=heads_per_group,
-            block_h=block_h,
+            heads_per_group=s.heads // s.groups,
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
             head_dim=s.head_dim,
@@ -460,23 +440,18 @@ def state_scan(
             block_t=block_t,
             intermediate=intermediate,
         ),
-        grid=(s.heads // block_h, s.num_seqs),
+        grid=(s.heads, s.num_seqs),
         out_shape=(
-            jax.ShapeDtypeStruct((s.max_chunks, bcs, s.heads), f32),
-            jax.ShapeDtypeStruct((s.max_chunks, bcs, s.heads), f32),
-            jax.ShapeDtypeStruct((s.max_chunks, s.heads * s.block_p, s.block_n), carried_dtype),
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), f32),
+            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), carried_dtype),
             states_shape,
         ),
         input_output_aliases={zeros_index: 3} if intermediate else {},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=blocks.num_stages),
+        compiler_params=_compiler_params(blocks),
         interpret=interpret,
-        name=(
-            f"ssd_state_scan_cs{s.chunk_size}_bt{block_t}_bh{block_h}"
-            f"_intermediate{int(intermediate)}"
-        ),
+        name=f"ssd_state_scan_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}",
     )(*args)
-    carried = carried.reshape(s.max_chunks, s.heads, s.block_p, s.block_n)
-    return dt_out, cum, carried, states
 
 
 def chunk_cb(s: _Shapes, cu, C, B, *, blocks, interpret):

@@ -163,7 +163,7 @@ def test_intermediate_states_are_oracle_states_at_chunk_ends(impl):
 @pytest.mark.parametrize("intermediate", [False, True])
 def test_triton_several_steps_per_chunk(intermediate):
     """Small tiles on a 64-token chunk: the state scan takes 4 steps per chunk (some past a
-    short chunk's end) and 2 heads per program; the chunk scan 4 row blocks per chunk."""
+    short chunk's end), the chunk scan 4 row blocks per chunk."""
     from pallas_kernels.ssd import triton as ssd_triton
 
     p = make_problem(
@@ -186,7 +186,7 @@ def test_triton_several_steps_per_chunk(intermediate):
         initial_states=p.initial_states,
         return_intermediate_states=intermediate,
         state_dtype=jnp.float32,
-        block_sizes=ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16, block_h=2),
+        block_sizes=ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16),
         interpret=True,
     )
     y_ref, states_ref, token_states = oracle(p, return_token_states=True, **options)
