@@ -23,8 +23,6 @@ CANDIDATES = [
     dict(block_m=64, block_k=32, block_t=64, num_warps=4, num_stages=2),  # the defaults
     dict(block_m=64, block_k=32, block_t=128, num_warps=4, num_stages=2),
     dict(block_m=64, block_k=32, block_t=32, num_warps=4, num_stages=2),
-    dict(block_m=64, block_k=32, block_t=64, num_warps=4, num_stages=3),
-    dict(block_m=64, block_k=64, block_t=64, num_warps=4, num_stages=2),
 ]
 
 

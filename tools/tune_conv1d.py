@@ -25,8 +25,8 @@ from pallas_kernels.testing import relative_error
 CONV_CANDIDATES = [
     dict(block_t=bt, unroll_t=ut, block_d=bd, num_warps=w)
     for bt, ut, bd, w in [
-        (128, 8, 256, 2),  # the defaults
-        (128, 4, 256, 2),
+        (128, 4, 256, 2),  # the defaults
+        (128, 8, 256, 2),
         (256, 8, 256, 2),
         (64, 8, 256, 2),
         (128, 8, 128, 1),
