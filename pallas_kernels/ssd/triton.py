@@ -49,7 +49,7 @@ class BlockSizes:
 
     block_m: int = 64  # chunk rows per chunk-scan program
     block_k: int = 32  # chunk columns per step of the causal loop
-    block_t: int = 64  # chunk rows per step of the state scan
+    block_t: int = 128  # chunk rows per step of the state scan
     num_warps: int = 4  # warps per program
     num_stages: int = 2  # software-pipelining depth of the causal and state-scan loops
 
@@ -63,12 +63,19 @@ class BlockSizes:
 
 
 def default_block_sizes(chunk_size: int, head_dim: int, state_dim: int) -> BlockSizes:
-    """64-row blocks stepping 32 columns at a time (the fastest of six tilings on an H200,
-    tools/profile_ssd.py: 10% under 64×64 on bamba-uniform; 128-row blocks on 8 warps were
-    25% slower); 8 warps once the head or state dim passes 128."""
+    """Chunk scan: 64-row blocks stepping 32 columns at a time (the fastest of six tilings
+    on an H200, tools/profile_ssd.py: 10% under 64×64 on bamba-uniform; 128-row blocks on
+    8 warps were 25% slower). State scan: 128-row steps (bamba-uniform 2.00 ms against
+    2.16 ms with 64-row steps, bamba-short 1.70 against 1.84). 8 warps once the head or
+    state dim passes 128."""
     cs = block_dim(chunk_size, MIN_DOT_DIM)
     wide = max(head_dim, state_dim) > 128
-    return BlockSizes(block_m=min(64, cs), block_k=min(32, cs), num_warps=8 if wide else 4)
+    return BlockSizes(
+        block_m=min(64, cs),
+        block_k=min(32, cs),
+        block_t=min(128, cs),
+        num_warps=8 if wide else 4,
+    )
 
 
 def _compiler_params(blocks: BlockSizes, num_stages: int | None = None):
