@@ -34,19 +34,31 @@ def _with_implementation(model: HybridLM, implementation: str) -> HybridLM:
 
 
 def _cost(cfg: HybridConfig, model: HybridLM, arrays, context: int) -> tuple[float, float]:
-    """(FLOPs, bytes) floor of a step: 2 FLOPs per weight per token plus causal attention
-    over the step's keys; every weight read once, plus each decode row's SSM state (read and
-    written, fp32) and its K/V context (bf16)."""
-    weights = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    """(FLOPs, bytes) floor of a step: 2 FLOPs per matmul weight per token (the embedding
+    table is a gather, not a matmul) plus the vocabulary projection of each sequence row's
+    last token and causal attention over the step's keys; every weight read once (of the
+    embedding table only the rows looked up, unless it is tied to the output), plus each
+    decode row's SSM state (read and written, fp32) and its K/V context (bf16)."""
+    params = jax.tree.leaves(nnx.state(model))
+    weights = sum(x.size for x in params)
+    weight_bytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in params)
+    vocab = cfg.vocab_size * cfg.hidden_size  # the embedding table; also the output if tied
+    itemsize = jnp.dtype(model.dtype).itemsize
+    matmul_weights = weights - vocab * (1 if model.lm_head is None else 2)
+    if model.lm_head is not None:  # the table itself is only gathered from
+        looked_up = min(arrays.num_tokens, cfg.vocab_size) * cfg.hidden_size
+        weight_bytes -= (vocab - looked_up) * itemsize
     lengths = np.diff(arrays.query_start_loc)[arrays.num_decode :]
     attention_layers = cfg.layer_pattern.count("*")
     mamba_layers = cfg.layer_pattern.count("M")
     pairs = float(np.sum(lengths * (lengths + 1) / 2))
     rows = int(np.sum(arrays.slot_ids[: arrays.num_decode] >= 0))
     pairs += rows * (context + 1)
-    flops = 2.0 * weights * arrays.num_tokens + 4.0 * pairs * cfg.num_heads * cfg.head_dim * (
-        attention_layers
+    logits_rows = len(arrays.query_start_loc) - 1
+    flops = (
+        2.0 * matmul_weights * arrays.num_tokens
+        + 2.0 * vocab * logits_rows
+        + 4.0 * pairs * cfg.num_heads * cfg.head_dim * attention_layers
     )
     state = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.mamba_state_size * 4
     kv = 2 * context * cfg.num_kv_heads * cfg.head_dim * 2

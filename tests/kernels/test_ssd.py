@@ -161,34 +161,18 @@ def test_intermediate_states_are_oracle_states_at_chunk_ends(impl):
 
 
 @pytest.mark.parametrize("intermediate", [False, True])
-def test_triton_several_steps_per_chunk(intermediate):
+def test_triton_several_steps_per_chunk(intermediate, monkeypatch):
     """Small tiles on a 64-token chunk: the state scan takes 4 steps per chunk (some past a
     short chunk's end), the chunk scan 4 row blocks per chunk."""
     from pallas_kernels.ssd import triton as ssd_triton
 
+    small = ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16)
+    monkeypatch.setattr(ssd_triton, "default_block_sizes", lambda *shape: small)
     p = make_problem(
         [150, 70, 1, 20], computed=[0, 100, 63, 30], chunk_size=64, groups=1, extra_rows=40
     )
     options = full_options(p)
-    y, states = ssd_triton.ssd_scan(
-        p.x,
-        p.dt,
-        p.A,
-        p.B,
-        p.C,
-        metadata=p.metadata(),
-        chunk_size=p.chunk_size,
-        D=p.D,
-        z=p.z,
-        dt_bias=p.dt_bias,
-        dt_softplus=True,
-        dt_limit=(0.0, math.inf),
-        initial_states=p.initial_states,
-        return_intermediate_states=intermediate,
-        state_dtype=jnp.float32,
-        block_sizes=ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16),
-        interpret=True,
-    )
+    y, states = run(p, "triton", return_intermediate_states=intermediate, **options)
     y_ref, states_ref, token_states = oracle(p, return_token_states=True, **options)
     assert_close(y, y_ref, rtol=F32_TOL, name="y")
     assert np.all(np.asarray(y[int(p.qsl[-1]) :]) == 0), "bucket rows past the sequences"
