@@ -167,6 +167,8 @@ class Engine:
         """
         if max_new_tokens < 1:
             raise ValueError(f"{max_new_tokens=} must be >= 1")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1 or None")
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
@@ -226,6 +228,8 @@ def sample_tokens(
     """Next token of each row of ``logits[R, V]``, ``int32[R]``, on the device: the argmax at
     ``temperature <= 0``; otherwise a draw from ``softmax(logits / temperature)`` restricted
     to the ``top_k`` largest logits (all when None)."""
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 or None")
     if temperature <= 0.0:
         return _greedy(logits)
     top_k = None if top_k is None or top_k >= logits.shape[-1] else int(top_k)

@@ -146,6 +146,13 @@ def test_generate_rejects_prompts_before_any_step():
     assert engine.compile_count == 0
 
 
+def test_bad_top_k_is_rejected_before_any_step():
+    engine = Engine(model(), max_slots=2, max_len=32)
+    with pytest.raises(ValueError, match="top_k"):
+        engine.generate([[1, 2, 3]], 4, temperature=1.0, top_k=0)
+    assert engine.compile_count == 0
+
+
 def test_sampling_is_seeded_and_respects_top_k():
     m = model()
     prompts = random_prompts(np.random.default_rng(5), m.cfg.vocab_size, (7, 4))
