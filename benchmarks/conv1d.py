@@ -9,7 +9,7 @@ in the same run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,10 @@ def _normal(rng, shape, dtype=jnp.bfloat16):
     return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
 
 
-def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
+def conv_inputs(p: ConvProblem) -> dict:
+    """The arrays problem ``p`` runs on (bf16, fixed seed), as ``causal_conv1d`` takes them:
+    ``x, weight, bias`` and ``query_start_loc``, ``conv_state_cache`` (2 B slots),
+    ``slot_ids``, ``has_initial_state``."""
     rng = np.random.default_rng(1)
     T, B = sum(p.lengths), len(p.lengths)
     x, w, bias = _normal(rng, (T, p.dim)), _normal(rng, (p.dim, p.width)), _normal(rng, (p.dim,))
@@ -78,6 +81,23 @@ def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(p.lengths)]), jnp.int32)
     slots = jnp.asarray(rng.permutation(2 * B)[:B], jnp.int32)
     has_state = jnp.asarray(rng.random(B) < 0.5)
+    return dict(
+        x=x,
+        weight=w,
+        bias=bias,
+        query_start_loc=qsl,
+        conv_state_cache=cache,
+        slot_ids=slots,
+        has_initial_state=has_state,
+    )
+
+
+def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
+    T, B = sum(p.lengths), len(p.lengths)
+    inputs = conv_inputs(p)
+    x, w, bias, cache = (inputs[k] for k in ("x", "weight", "bias", "conv_state_cache"))
+    qsl, slots = inputs["query_start_loc"], inputs["slot_ids"]
+    has_state = inputs["has_initial_state"]
     state_bytes = 2 * B * (p.width - 1) * p.dim * BF16
     bytes_moved = 2 * T * p.dim * BF16 + state_bytes
     flops = 2 * T * p.dim * p.width
@@ -112,11 +132,21 @@ def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
     return rows
 
 
-def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
+def update_inputs(p: UpdateProblem) -> tuple[dict, Callable[[], jax.Array]]:
+    """The arrays problem ``p`` runs on (bf16, fixed seed): ``x, weight, bias, slot_ids``;
+    and a function that draws a fresh conv state cache ``[2 R, K - 1, dim]``."""
     rng = np.random.default_rng(2)
     R = p.rows
     x, w, bias = _normal(rng, (R, p.dim)), _normal(rng, (p.dim, p.width)), _normal(rng, (p.dim,))
     slots = jnp.asarray(rng.permutation(2 * R)[:R], jnp.int32)
+    inputs = dict(x=x, weight=w, bias=bias, slot_ids=slots)
+    return inputs, lambda: _normal(rng, (2 * R, p.width - 1, p.dim))
+
+
+def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
+    R = p.rows
+    inputs, make_cache = update_inputs(p)
+    x, w, bias, slots = (inputs[k] for k in ("x", "weight", "bias", "slot_ids"))
     bytes_moved = 2 * R * p.dim * BF16 + 2 * R * (p.width - 1) * p.dim * BF16
     flops = 2 * R * p.dim * p.width
     rows = []
@@ -125,7 +155,7 @@ def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
             lambda cache, impl=impl: causal_conv1d_update(
                 x, cache, w, bias, slot_ids=slots, implementation=impl
             ),
-            lambda: _normal(rng, (2 * R, p.width - 1, p.dim)),
+            make_cache,
         )
         rows.append(
             harness.row(
@@ -142,9 +172,14 @@ def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
     return rows
 
 
-def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
+def norm_inputs(p: NormProblem) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(x, z, weight)`` of problem ``p`` (bf16, fixed seed)."""
     rng = np.random.default_rng(3)
-    x, z, w = _normal(rng, (p.rows, p.dim)), _normal(rng, (p.rows, p.dim)), _normal(rng, (p.dim,))
+    return _normal(rng, (p.rows, p.dim)), _normal(rng, (p.rows, p.dim)), _normal(rng, (p.dim,))
+
+
+def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
+    x, z, w = norm_inputs(p)
     bytes_moved = 3 * p.rows * p.dim * BF16
     flops = 8 * p.rows * p.dim
     rows = []

@@ -8,7 +8,7 @@ FLOPs and bytes are counted here from the chunk layout (useful work of real chun
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +80,9 @@ def prefill_cost(p: PrefillProblem, cu_chunk_seqlens: np.ndarray) -> tuple[float
     return float(flops), float(bytes_moved)
 
 
-def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
+def prefill_inputs(p: PrefillProblem) -> dict:
+    """The arrays problem ``p`` runs on (bf16 activations, fixed seed): ``x, dt, A, B, C``,
+    ``D``, ``dt_bias``, ``query_start_loc`` and the chunk ``metadata``."""
     rng = np.random.default_rng(1)
     T, H, P, N, G = sum(p.lengths), p.heads, p.head_dim, p.state_dim, p.groups
 
@@ -98,6 +100,14 @@ def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
         chunk_size=p.chunk_size,
         max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size),
     )
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, query_start_loc=qsl, metadata=md)
+
+
+def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
+    T = sum(p.lengths)
+    inputs = prefill_inputs(p)
+    x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
+    D, dt_bias, md = inputs["D"], inputs["dt_bias"], inputs["metadata"]
     n = int(md.num_chunks)
     flops, bytes_moved = prefill_cost(p, np.asarray(md.cu_chunk_seqlens)[: n + 1])
     rows = []
@@ -135,7 +145,9 @@ def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
     return rows
 
 
-def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
+def decode_inputs(p: DecodeProblem) -> tuple[dict, Callable[[], jax.Array]]:
+    """The arrays problem ``p`` runs on (fixed seed): ``x, dt, A, B, C``, ``slot_ids``, ``D``,
+    ``dt_bias``; and a function that draws a fresh fp32 state cache ``[2 R, H, P, N]``."""
     rng = np.random.default_rng(2)
     H, P, N, G, R = p.heads, p.head_dim, p.state_dim, p.groups, p.rows
 
@@ -146,6 +158,15 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
     A = -jnp.asarray(np.exp(rng.uniform(-1, 1, H)), jnp.float32)
     D, dt_bias = jnp.ones((H,), jnp.float32), jnp.zeros((H,), jnp.float32)
     slots = jnp.asarray(rng.permutation(2 * R)[:R], jnp.int32)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, slot_ids=slots, D=D, dt_bias=dt_bias)
+    return inputs, lambda: normal(2 * R, H, P, N, dtype=jnp.float32)
+
+
+def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
+    H, P, N, G, R = p.heads, p.head_dim, p.state_dim, p.groups, p.rows
+    inputs, make_cache = decode_inputs(p)
+    x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
+    slots, D, dt_bias = inputs["slot_ids"], inputs["D"], inputs["dt_bias"]
     state_bytes = 2 * R * H * P * N * 4  # read + write each named fp32 state
     bytes_moved = state_bytes + R * (2 * H * P + 2 * G * N + H) * 2
     flops = 6 * R * H * P * N
@@ -165,7 +186,7 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
                 dt_softplus=True,
                 implementation=impl,
             ),
-            lambda: normal(2 * R, H, P, N, dtype=jnp.float32),
+            make_cache,
         )
         rows.append(
             harness.row(

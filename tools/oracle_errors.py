@@ -7,9 +7,10 @@ For each SSD prefill problem of ``benchmarks/ssd.py``, each conv1d problem of
 ``||out - oracle||_F / ||oracle||_F`` of every runnable implementation (``triton`` runs in
 interpret mode off the GPU) against the token-by-token float64 oracles of
 ``pallas_kernels.testing``, for the outputs and the states or caches written. The inputs are
-drawn as the benchmarks draw them (bf16). Off the GPU the cases shrink: sequence lengths and
-row counts are divided by ``--scale`` (at least 1 token) and SSD problems keep ``--heads``
-heads; head dim, state dim, groups, chunk size, conv dim and width stay as benchmarked.
+the benchmarks' own (``prefill_inputs``, ``conv_inputs``, ...; bf16, fixed seeds). Off the
+GPU the cases shrink: sequence lengths and row counts are divided by ``--scale`` (at least
+1 token) and SSD problems keep ``--heads`` heads; head dim, state dim, groups, chunk size,
+conv dim and width stay as benchmarked.
 ``--scale 1 --heads 128`` gives the benchmarks' own sizes (the oracle then takes minutes).
 """
 
@@ -29,9 +30,7 @@ from benchmarks import ssd as ssd_bench
 from pallas_kernels import (
     causal_conv1d,
     causal_conv1d_update,
-    chunk_metadata,
     gated_rms_norm,
-    max_chunks_for,
     selective_state_update,
     ssd_scan,
 )
@@ -42,158 +41,134 @@ from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.state_update import api as state_update_api
 
 
-def _normal(rng, shape, dtype=jnp.bfloat16, scale=1.0):
-    return jnp.asarray(rng.standard_normal(shape, np.float32) * scale, dtype)
-
-
 def _shrink(lengths, scale: int) -> tuple[int, ...]:
     return tuple(max(1, n // scale) for n in lengths)
 
 
+def _row(op, problem, impl, outputs, references, **sizes) -> dict:
+    """One table row: the relative error of the output (and of the state or cache written,
+    when there is one) against the oracle's."""
+    names = ("y", "states")[: len(outputs)]
+    errors = {
+        name: oracles.relative_error(got, want)
+        for name, got, want in zip(names, outputs, references, strict=True)
+    }
+    return dict(op=op, problem=problem.name, implementation=impl, **sizes, **errors)
+
+
 def ssd_errors(p: ssd_bench.PrefillProblem) -> list[dict]:
-    rng = np.random.default_rng(1)
-    T, H, P, N, G = sum(p.lengths), p.heads, p.head_dim, p.state_dim, p.groups
-    x, dt = _normal(rng, (T, H, P)), _normal(rng, (T, H), scale=0.5)
-    B, C = _normal(rng, (T, G, N)), _normal(rng, (T, G, N))
-    A = -jnp.asarray(np.exp(rng.uniform(-1, 1, H)), jnp.float32)
-    D, dt_bias = jnp.ones((H,), jnp.float32), jnp.zeros((H,), jnp.float32) - 2.0
-    qsl = np.concatenate([[0], np.cumsum(p.lengths)]).astype(np.int32)
-    md = chunk_metadata(
-        jnp.asarray(qsl),
-        jnp.zeros(len(p.lengths), jnp.int32),
-        chunk_size=p.chunk_size,
-        max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size),
-    )
-    options = dict(D=D, dt_bias=dt_bias, dt_softplus=True)
-    y_ref, states_ref = oracles.ssd_oracle(x, dt, A, B, C, query_start_loc=qsl, **options)
-    rows = []
-    for impl in harness.runnable(ssd_api.IMPLEMENTATIONS):
-        y, states = ssd_scan(
-            x, dt, A, B, C, metadata=md, chunk_size=p.chunk_size, implementation=impl, **options
-        )
-        rows.append(
-            dict(
-                op="ssd_scan",
-                problem=p.name,
+    inputs = ssd_bench.prefill_inputs(p)
+    arrays = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    options = dict(D=inputs["D"], dt_bias=inputs["dt_bias"], dt_softplus=True)
+    qsl = np.asarray(inputs["query_start_loc"])
+    want = oracles.ssd_oracle(*arrays, query_start_loc=qsl, **options)
+    sizes = dict(tokens=int(qsl[-1]), heads=p.heads)
+    return [
+        _row(
+            "ssd_scan",
+            p,
+            impl,
+            ssd_scan(
+                *arrays,
+                metadata=inputs["metadata"],
+                chunk_size=p.chunk_size,
                 implementation=impl,
-                tokens=T,
-                heads=H,
-                y=oracles.relative_error(y, y_ref),
-                states=oracles.relative_error(states, states_ref),
-            )
+                **options,
+            ),
+            want,
+            **sizes,
         )
-    return rows
+        for impl in harness.runnable(ssd_api.IMPLEMENTATIONS)
+    ]
 
 
 def state_update_errors(p: ssd_bench.DecodeProblem) -> list[dict]:
-    rng = np.random.default_rng(2)
-    H, P, N, G, R = p.heads, p.head_dim, p.state_dim, p.groups, p.rows
-    x, dt = _normal(rng, (R, H, P)), _normal(rng, (R, H))
-    B, C = _normal(rng, (R, G, N)), _normal(rng, (R, G, N))
-    A = -jnp.asarray(np.exp(rng.uniform(-1, 1, H)), jnp.float32)
-    D, dt_bias = jnp.ones((H,), jnp.float32), jnp.zeros((H,), jnp.float32)
-    slots = jnp.asarray(rng.permutation(2 * R)[:R], jnp.int32)
-    cache = _normal(rng, (2 * R, H, P, N), jnp.float32)
-    options = dict(slot_ids=slots, D=D, dt_bias=dt_bias, dt_softplus=True)
-    y_ref, cache_ref = oracles.selective_state_update_oracle(cache, x, dt, A, B, C, **options)
-    rows = []
-    for impl in harness.runnable(state_update_api.IMPLEMENTATIONS):
-        y, new_cache = selective_state_update(
-            jnp.copy(cache), x, dt, A, B, C, implementation=impl, **options
+    inputs, make_cache = ssd_bench.decode_inputs(p)
+    arrays = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    options = dict(
+        slot_ids=inputs["slot_ids"], D=inputs["D"], dt_bias=inputs["dt_bias"], dt_softplus=True
+    )
+    cache = make_cache()
+    want = oracles.selective_state_update_oracle(cache, *arrays, **options)
+    return [
+        _row(
+            "selective_state_update",
+            p,
+            impl,
+            selective_state_update(jnp.copy(cache), *arrays, implementation=impl, **options),
+            want,
+            rows=p.rows,
+            heads=p.heads,
         )
-        rows.append(
-            dict(
-                op="selective_state_update",
-                problem=p.name,
-                implementation=impl,
-                rows=R,
-                heads=H,
-                y=oracles.relative_error(y, y_ref),
-                states=oracles.relative_error(new_cache, cache_ref),
-            )
-        )
-    return rows
+        for impl in harness.runnable(state_update_api.IMPLEMENTATIONS)
+    ]
 
 
 def conv_errors(p: conv_bench.ConvProblem) -> list[dict]:
-    rng = np.random.default_rng(1)
-    T, B = sum(p.lengths), len(p.lengths)
-    x, w, bias = _normal(rng, (T, p.dim)), _normal(rng, (p.dim, p.width)), _normal(rng, (p.dim,))
-    cache = _normal(rng, (2 * B, p.width - 1, p.dim))
-    qsl = np.concatenate([[0], np.cumsum(p.lengths)]).astype(np.int32)
-    slots = jnp.asarray(rng.permutation(2 * B)[:B], jnp.int32)
-    has_state = jnp.asarray(rng.random(B) < 0.5)
-    options = dict(slot_ids=slots, has_initial_state=has_state, activation="silu")
-    y_ref, cache_ref = oracles.causal_conv1d_oracle(
+    inputs = conv_bench.conv_inputs(p)
+    x, w, bias, cache = (inputs[k] for k in ("x", "weight", "bias", "conv_state_cache"))
+    qsl = np.asarray(inputs["query_start_loc"])
+    options = dict(
+        slot_ids=inputs["slot_ids"],
+        has_initial_state=inputs["has_initial_state"],
+        activation="silu",
+    )
+    want = oracles.causal_conv1d_oracle(
         x, w, bias, query_start_loc=qsl, conv_state_cache=cache, **options
     )
-    rows = []
-    for impl in harness.runnable(conv_api.PREFILL_IMPLEMENTATIONS):
-        y, new_cache = causal_conv1d(
-            x,
-            w,
-            bias,
-            query_start_loc=jnp.asarray(qsl),
-            conv_state_cache=jnp.copy(cache),
-            implementation=impl,
-            **options,
-        )
-        rows.append(
-            dict(
-                op="causal_conv1d",
-                problem=p.name,
+    return [
+        _row(
+            "causal_conv1d",
+            p,
+            impl,
+            causal_conv1d(
+                x,
+                w,
+                bias,
+                query_start_loc=inputs["query_start_loc"],
+                conv_state_cache=jnp.copy(cache),
                 implementation=impl,
-                tokens=T,
-                dim=p.dim,
-                y=oracles.relative_error(y, y_ref),
-                states=oracles.relative_error(new_cache, cache_ref),
-            )
+                **options,
+            ),
+            want,
+            tokens=int(qsl[-1]),
+            dim=p.dim,
         )
-    return rows
+        for impl in harness.runnable(conv_api.PREFILL_IMPLEMENTATIONS)
+    ]
 
 
 def conv_update_errors(p: conv_bench.UpdateProblem) -> list[dict]:
-    rng = np.random.default_rng(2)
-    x, w = _normal(rng, (p.rows, p.dim)), _normal(rng, (p.dim, p.width))
-    bias = _normal(rng, (p.dim,))
-    cache = _normal(rng, (2 * p.rows, p.width - 1, p.dim))
-    slots = jnp.asarray(rng.permutation(2 * p.rows)[: p.rows], jnp.int32)
-    y_ref, cache_ref = oracles.causal_conv1d_update_oracle(
-        x, cache, w, bias, slot_ids=slots, activation="silu"
-    )
-    rows = []
-    for impl in harness.runnable(conv_api.UPDATE_IMPLEMENTATIONS):
-        y, new_cache = causal_conv1d_update(
-            x, jnp.copy(cache), w, bias, slot_ids=slots, activation="silu", implementation=impl
+    inputs, make_cache = conv_bench.update_inputs(p)
+    x, w, bias, slots = (inputs[k] for k in ("x", "weight", "bias", "slot_ids"))
+    cache = make_cache()
+    options = dict(slot_ids=slots, activation="silu")
+    want = oracles.causal_conv1d_update_oracle(x, cache, w, bias, **options)
+    return [
+        _row(
+            "causal_conv1d_update",
+            p,
+            impl,
+            causal_conv1d_update(x, jnp.copy(cache), w, bias, implementation=impl, **options),
+            want,
+            rows=p.rows,
+            dim=p.dim,
         )
-        rows.append(
-            dict(
-                op="causal_conv1d_update",
-                problem=p.name,
-                implementation=impl,
-                rows=p.rows,
-                dim=p.dim,
-                y=oracles.relative_error(y, y_ref),
-                states=oracles.relative_error(new_cache, cache_ref),
-            )
-        )
-    return rows
+        for impl in harness.runnable(conv_api.UPDATE_IMPLEMENTATIONS)
+    ]
 
 
 def norm_errors(p: conv_bench.NormProblem) -> list[dict]:
-    rng = np.random.default_rng(3)
-    x, z = _normal(rng, (p.rows, p.dim)), _normal(rng, (p.rows, p.dim))
-    w = _normal(rng, (p.dim,))
+    x, z, w = conv_bench.norm_inputs(p)
     want = oracles.gated_rms_norm_oracle(x, z, w, group_size=p.group_size)
     return [
-        dict(
-            op="gated_rms_norm",
-            problem=p.name,
-            implementation=impl,
+        _row(
+            "gated_rms_norm",
+            p,
+            impl,
+            (gated_rms_norm(x, z, w, group_size=p.group_size, implementation=impl),),
+            (want,),
             rows=p.rows,
-            y=oracles.relative_error(
-                gated_rms_norm(x, z, w, group_size=p.group_size, implementation=impl), want
-            ),
         )
         for impl in harness.runnable(norm_api.IMPLEMENTATIONS)
     ]
