@@ -12,11 +12,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import harness
-from benchmarks.ssd import prefill_problems
-from pallas_kernels import chunk_metadata, max_chunks_for
+from benchmarks.ssd import prefill_inputs, prefill_problems
 from pallas_kernels.ssd import triton as ssd_triton
 
 CANDIDATES = [
@@ -32,21 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     p = next(q for q in prefill_problems(False) if q.name == args.problem)
     T, H, P, N, G = sum(p.lengths), p.heads, p.head_dim, p.state_dim, p.groups
-    keys = iter(jax.random.split(jax.random.key(0), 8))
-
-    def normal(shape, scale=1.0):
-        return (jax.random.normal(next(keys), shape) * scale).astype(jnp.bfloat16)
-
-    x, dt, B, C = normal((T, H, P)), normal((T, H), 0.5), normal((T, G, N)), normal((T, G, N))
-    A = -jnp.exp(jax.random.uniform(next(keys), (H,), minval=-1, maxval=1))
-    D, dt_bias = jnp.ones((H,)), jnp.full((H,), -2.0)
-    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(p.lengths)]), jnp.int32)
-    md = chunk_metadata(
-        qsl,
-        jnp.zeros(len(p.lengths), jnp.int32),
-        chunk_size=p.chunk_size,
-        max_chunks=max_chunks_for(T, len(p.lengths), p.chunk_size),
-    )
+    inputs = prefill_inputs(p)  # the benchmark's own arrays
+    x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
+    D, dt_bias, md = inputs["D"], inputs["dt_bias"], inputs["metadata"]
     s = ssd_triton._Shapes(
         num_tokens=T,
         heads=H,
