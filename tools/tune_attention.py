@@ -45,6 +45,7 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.attention import Problem, cost, dense_queries, problems
 from pallas_kernels._pallas import next_power_of_2
+from pallas_kernels.attention import _layout as attention_layout
 from pallas_kernels.attention import reference as attention_reference
 from pallas_kernels.attention import triton as attention_triton
 from pallas_kernels.backend import on_gpu
@@ -99,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def is_decode(p: Problem) -> bool:
-    return attention_triton.is_decode_shaped(p.num_tokens, len(p.q_lens))
+    return attention_layout.is_decode_shaped(p.num_tokens, len(p.q_lens))
 
 
 def default_blocks(p: Problem) -> attention_triton.BlockSizes:

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.attention import kv_cache, reference, triton
+from pallas_kernels.attention import kv_cache, mosaic, reference, triton
 from pallas_kernels.backend import Implementation, dispatch
 
 # Backend name -> implementation; Pallas backends take ``interpret=`` as well.
 ATTENTION_IMPLEMENTATIONS: dict[str, Callable] = {
     "xla": reference.masked_tail_attention,
     "triton": triton.masked_tail_attention,
+    "mosaic": mosaic.masked_tail_attention,
 }
 WRITE_KV_IMPLEMENTATIONS: dict[str, Callable] = {
     "xla": kv_cache.write_kv,

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Final
 
 import jax
@@ -65,8 +64,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import matmul_precision
 from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, next_power_of_2
-from pallas_kernels.attention._layout import token_layout
-from pallas_kernels.metadata import sequence_block_table
+from pallas_kernels.attention._layout import (
+    NO_WINDOW,
+    band_operand,
+    checked_slots,
+    is_decode_shaped,
+    prefill_schedule,
+    prefill_table,
+    scale_operand,
+    token_layout,
+)
 
 # Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
 # then has max = finfo.min and exp2(logit - max) stays finite, where -inf - (-inf) would be
@@ -74,14 +81,7 @@ from pallas_kernels.metadata import sequence_block_table
 # l = 0 and acc = 0, and the final acc / max(l, tiny) is an exact 0.
 _MASK_VALUE: Final = float(jnp.finfo(jnp.float32).min)
 _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
-_LOG2E: Final = math.log2(math.e)
-# The mask reaches the kernels as data, a band of positions: a query at ``pos`` sees keys
-# ``pos - left < j <= pos + right`` (and ``j < kv_len``); causal is ``right = 0``, a
-# sliding window is ``left = W``, and NO_WINDOW (longer than any position) leaves a side
-# open. With the logit scale also an operand, one compiled kernel per shape serves causal,
-# windowed and bidirectional layers alike.
-NO_WINDOW: Final = 1 << 30
-# Streaming multiprocessors assumed when no GPU is attached (H100 SXM); see _num_sms().
+# Streaming multiprocessors assumed when no GPU is attached (H100 SXM); see device_num_sms().
 _DEFAULT_NUM_SMS: Final = 132
 # Bytes of one K (or V) tile in shared memory (64 keys at D=128 bf16) and of the Q tile
 # (128 rows at D=128 bf16): with three pipeline stages of K and V, Q takes
@@ -383,97 +383,6 @@ def _prefill_kernel(
             store(row0, row_live, out.reshape(block_q, bg, bd))
 
 
-def prefill_table(
-    query_start_loc: jax.Array, *, num_tokens: int, block_q: int, max_q_blocks: int
-) -> tuple[jax.Array, jax.Array]:
-    """Table entry → (sequence, first packed row) of the prefill query blocks (jittable, no
-    host sync); :func:`prefill_schedule` then puts the entries in launch order.
-
-    Query blocks start at each sequence's first row and are numbered along the packed
-    rows (:func:`~pallas_kernels.metadata.sequence_block_table`); entries take them in
-    reverse (a sequence's last blocks, the heaviest under the causal mask, first). Example,
-    ``block_q = 4``, ``query_start_loc = [0, 5, 6, 6, 14]``, T = 16 (B = 4,
-    ``max_q_blocks = cdiv(16, 4) + 4 = 8``)::
-
-        q_len      5 1 0 8      blocks per sequence  2 1 0 2      block ends  2 3 3 5
-        program    0   1  2  3  4   5  6  7
-        block      4   3  2  1  0   -  -  -
-        seq        3   3  1  0  0  -1 -1 -1
-        first row  10  6  5  4  0   0  0  0
-
-    Entries 5-7 are unused (:func:`prefill_schedule` makes them zero rows [14, 16)).
-
-    Returns:
-      ``(prog_seq, prog_row)``, int32[max_q_blocks] each; ``prog_seq`` is -1 past the live
-      count.
-    """
-    # The sequence-aligned blocks of every row-block kernel, live entries reversed.
-    block_seq, block_row = sequence_block_table(
-        jnp.clip(query_start_loc, 0, num_tokens), block_size=block_q, num_blocks=max_q_blocks
-    )
-    num_live = jnp.sum(block_seq >= 0)
-    program = jnp.arange(max_q_blocks, dtype=jnp.int32)
-    live = program < num_live
-    entry = jnp.where(live, num_live - 1 - program, program)
-    return block_seq[entry], jnp.where(live, block_row[entry], 0).astype(jnp.int32)
-
-
-def prefill_schedule(
-    prog_seq: jax.Array,
-    prog_row: jax.Array,
-    *,
-    seq_end: jax.Array,
-    seq_offset: jax.Array,
-    seq_kv_len: jax.Array,
-    seq_slot: jax.Array,
-    band: jax.Array,
-    block_q: int,
-    block_k: int,
-) -> tuple[jax.Array, jax.Array]:
-    """The prefill table (:func:`prefill_table`) in launch order (jittable, no host sync).
-
-    A live entry costs its number of KV blocks (the kernel's loop bounds), a padding
-    sequence's entry 0; entries are sorted by cost, longest first (stable), so the GPU
-    starts the longest programs first and ends on short ones (longest-processing-time-first
-    scheduling). Unused entries (-1) go last and zero the rows no sequence owns: the k-th
-    takes rows ``[total + k * block_q, total + (k + 1) * block_q)``, ``total`` the last
-    sequence end; there are always enough of them, since a sequence of ``n > 0`` rows
-    uses ``cdiv(n, block_q) < n / block_q + 1`` of the ``cdiv(T, block_q) + B`` entries.
-    Example, the :func:`prefill_table` example with ``kv_lens = [5, 1, 0, 8]`` (no cached
-    keys), causal, ``block_k = 4``::
-
-        entry        0   1   2   3   4   5   6   7      (prefill_table order)
-        seq          3   3   1   0   0  -1  -1  -1
-        first row   10   6   5   4   0   0   0   0
-        positions  4-7 0-3   0   4 0-3   -   -   -
-        KV blocks    2   1   1   2   1   -   -   -
-
-        launch order 0   3   1   2   4   5   6   7
-        seq          3   0   3   1   0  -1  -1  -1
-        first row   10   4   6   5   0  14  18  22   (rows [14, 16) get zeroed)
-
-    Arguments are the kernel's per-sequence operands (see ``_prefill_kernel``) and
-    ``band = (left, right)`` (:func:`band_operand`).
-
-    Returns:
-      ``(prog_seq, prog_row)`` reordered, unused entries' rows filled in.
-    """
-    num_seqs = seq_end.shape[0]
-    live = prog_seq >= 0
-    seq = jnp.clip(prog_seq, 0, num_seqs - 1)
-    # The kernel's bounds (see _prefill_kernel): keys [lo, hi) are visible to some row.
-    pos_first = prog_row + seq_offset[seq]
-    pos_last = pos_first + jnp.minimum(block_q, seq_end[seq] - prog_row) - 1
-    hi = jnp.clip(pos_last + band[1] + 1, 0, seq_kv_len[seq])
-    lo = jnp.maximum(pos_first - band[0] + 1, 0)
-    num_kv_blocks = jnp.where(hi > lo, (hi + block_k - 1) // block_k - lo // block_k, 0)
-    cost = jnp.where(live, jnp.where(seq_slot[seq] >= 0, num_kv_blocks, 0), -1)
-    unused_index = jnp.cumsum(~live) - 1
-    row = jnp.where(live, prog_row, seq_end[num_seqs - 1] + unused_index * block_q)
-    order = jnp.argsort(-cost, stable=True)
-    return prog_seq[order], row[order].astype(jnp.int32)
-
-
 def prefill_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -506,7 +415,7 @@ def prefill_attention(
     seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
     seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
     seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
-    seq_slot = _checked_slots(slot_ids, s.num_slots)
+    seq_slot = checked_slots(slot_ids, s.num_slots)
     band = band_operand(causal, sliding_window)
     prog_seq, prog_row = prefill_schedule(
         prog_seq,
@@ -543,7 +452,7 @@ def prefill_attention(
         seq_offset,
         seq_kv_len,
         seq_slot,
-        _scale_operand(sm_scale),
+        scale_operand(sm_scale),
         band,
         q,
         k_cache,
@@ -707,7 +616,7 @@ def decode_attention(
     left, right = band_operand(causal, sliding_window)
     hi = jnp.clip(layout.position + right + 1, 0, kv_len)
     lo = jnp.maximum(layout.position - left + 1, 0)
-    tok_slot = jnp.where(layout.live, _checked_slots(layout.slot, s.num_slots), -1)
+    tok_slot = jnp.where(layout.live, checked_slots(layout.slot, s.num_slots), -1)
     tokens = (tok_slot, lo.astype(jnp.int32), hi.astype(jnp.int32))
     f32 = jnp.float32
     # Partials keep the decode Q tile's padded rows (only the group's rows are written).
@@ -734,7 +643,7 @@ def decode_attention(
             f"attention_decode_split{split_k}_bk{b.decode_block_k}_w{b.decode_num_warps}"
             f"_s{b.decode_num_stages}_g{s.group}_d{s.head_dim}"
         ),
-    )(*tokens, _scale_operand(sm_scale), q, k_cache, v_cache)
+    )(*tokens, scale_operand(sm_scale), q, k_cache, v_cache)
     block_splits = min(
         block_dim(num_splits), max(1, _COMBINE_TILE_ELEMS // (s.block_group * s.block_d))
     )
@@ -771,30 +680,6 @@ def _shapes(q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> _Sh
         cache_len=cache_len,
         num_seqs=query_start_loc.shape[0] - 1,
     )
-
-
-def _scale_operand(sm_scale: float | jax.Array) -> jax.Array:
-    """fp32[1]: ``sm_scale * log2(e)`` (logits in log2 units for ``exp2``)."""
-    return (jnp.asarray(sm_scale, jnp.float32) * _LOG2E).reshape(1)
-
-
-def band_operand(causal: bool | jax.Array, sliding_window: int | jax.Array | None) -> jax.Array:
-    """int32[2]: ``(left, right)``, keys ``pos - left < j <= pos + right`` are visible."""
-    left = NO_WINDOW if sliding_window is None else sliding_window
-    right = jnp.where(causal, 0, NO_WINDOW)
-    return jnp.stack([jnp.asarray(left, jnp.int32), right.astype(jnp.int32)])
-
-
-def _checked_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:
-    """Slot ids with anything outside ``[0, S)`` (padding's -1, bad data) mapped to -1:
-    such rows read and write nothing."""
-    return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1).astype(jnp.int32)
-
-
-def is_decode_shaped(num_tokens: int, num_seqs: int) -> bool:
-    """Static rule for the split-KV path: no more tokens than sequences (every sequence
-    has at most one token on average; the kernels stay correct for any layout)."""
-    return num_tokens <= num_seqs
 
 
 def masked_tail_attention(
@@ -921,7 +806,7 @@ def write_kv(
     num_tokens = k.shape[0]
     layout = token_layout(num_tokens, query_start_loc, kv_lens, slot_ids)
     in_range = layout.live & (layout.position >= 0) & (layout.position < cache_len)
-    tok_slot = jnp.where(in_range, _checked_slots(layout.slot, num_slots), -1)
+    tok_slot = jnp.where(in_range, checked_slots(layout.slot, num_slots), -1)
     tok_pos = jnp.where(in_range, layout.position, 0).astype(jnp.int32)
     row = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
     # One 16-byte access per thread per row at 4 warps (512 threads × 8 bf16 = 4096).
@@ -943,7 +828,7 @@ def write_kv(
 # ---------------------------------------------------------------------------- heuristics
 
 
-def _num_sms() -> int:
+def device_num_sms() -> int:
     device = jax.devices()[0]
     if device.platform == "gpu":
         return int(getattr(device, "core_count", _DEFAULT_NUM_SMS))
@@ -1009,7 +894,7 @@ def default_block_sizes(
     num_warps = 8 if block_q * bg * bd > 8192 else 4
 
     decode_block_k = min(max(_KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 64, bl)
-    target_programs = 4 * (num_sms or _num_sms())
+    target_programs = 4 * (num_sms or device_num_sms())
     split_k = max(min(1024, bl), decode_block_k)
     while (
         split_k > decode_block_k

@@ -19,9 +19,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pallas_kernels.attention import _layout as attention_layout
 from pallas_kernels.attention import api
+from pallas_kernels.attention import mosaic as attention_mosaic
 from pallas_kernels.attention import triton as attention_triton
-from pallas_kernels.backend import on_gpu
+from pallas_kernels.backend import on_gpu, supports_mosaic
 from pallas_kernels.testing import (
     assert_close,
     attention_oracle,
@@ -712,7 +714,7 @@ def test_triton_causal_queries_ignore_keys_above_the_diagonal(path):
 
 
 def test_prefill_table_worked_example():
-    prog_seq, prog_row = attention_triton.prefill_table(
+    prog_seq, prog_row = attention_layout.prefill_table(
         jnp.array([0, 5, 6, 6, 14], jnp.int32), num_tokens=16, block_q=4, max_q_blocks=8
     )
     np.testing.assert_array_equal(prog_seq, [3, 3, 1, 0, 0, -1, -1, -1])
@@ -724,17 +726,17 @@ def test_prefill_schedule_worked_example():
     given the rows past the last sequence end."""
     qsl = jnp.array([0, 5, 6, 6, 14], jnp.int32)
     kv_lens = jnp.array([5, 1, 0, 8], jnp.int32)
-    prog_seq, prog_row = attention_triton.prefill_table(
+    prog_seq, prog_row = attention_layout.prefill_table(
         qsl, num_tokens=16, block_q=4, max_q_blocks=8
     )
-    prog_seq, prog_row = attention_triton.prefill_schedule(
+    prog_seq, prog_row = attention_layout.prefill_schedule(
         prog_seq,
         prog_row,
         seq_end=qsl[1:],
         seq_offset=kv_lens - jnp.diff(qsl) - qsl[:-1],
         seq_kv_len=kv_lens,
         seq_slot=jnp.arange(4, dtype=jnp.int32),
-        band=attention_triton.band_operand(True, None),
+        band=attention_layout.band_operand(True, None),
         block_q=4,
         block_k=4,
     )
@@ -939,3 +941,133 @@ def test_write_kv_real_size(impl):
         batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
     )
     check_write(batch, k, v, k_cache, v_cache)
+
+
+# --------------------------------------------------------------------------- Mosaic GPU kernel
+
+# Sequences that end mid-tile (so items hold dead rows), chunked prefill whose KV range
+# starts mid-block, decode rows inside a prefill batch, kv_len < q_len, a padding sequence,
+# an empty one and bucket rows: every plan column takes several values.
+MOSAIC_CASE = VarlenCase(
+    "mosaic",
+    (200, 1, 64, 130, 3, 0, 70, 2),
+    (200, 300, 64, 401, 3, 0, 500, 1),
+    padding=(False, False, False, False, True, False, False, False),
+    pad_rows=42,  # T = 512: TMA takes the token axis in tiles of 8 rows
+)
+
+
+def _plan_case(case: VarlenCase, *, window, causal, block_q=8, block_k=16, cache_len=512):
+    """The plan of ``case`` with small blocks, and the band it was built for."""
+    q_lens = np.asarray(case.q_lens)
+    num_tokens = int(q_lens.sum()) + case.pad_rows
+    slots = np.arange(len(q_lens), dtype=np.int32)
+    if case.padding is not None:
+        slots[np.asarray(case.padding)] = -1
+    qsl = query_start_loc(case.q_lens)
+    band = attention_layout.band_operand(causal, window)
+    item_plan = attention_mosaic.plan(
+        jnp.asarray(qsl),
+        jnp.asarray(case.kv_lens, jnp.int32),
+        jnp.asarray(slots),
+        band,
+        num_tokens=num_tokens,
+        num_slots=len(q_lens),
+        cache_len=cache_len,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    return np.asarray(item_plan), qsl, slots, np.asarray(band), num_tokens
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
+    block_q, block_k = 8, 16
+    item_plan, qsl, slots, (left, right), num_tokens = _plan_case(
+        MOSAIC_CASE, window=window, causal=causal, block_q=block_q, block_k=block_k
+    )
+    m = attention_mosaic
+    written = np.zeros(num_tokens, int)
+    for row in item_plan:
+        row0, attend, kv_len, pos0 = row[m._ROW0], row[m._ATTEND], row[m._KV_LEN], row[m._POS0]
+        kv_lo, kv_hi = row[m._KV_LO], row[m._KV_HI]
+        assert kv_lo <= kv_hi
+        assert row0 % 8 == 0  # TMA reads query tiles at tile-aligned rows
+        for c in range(m._CONSUMERS):
+            live, first = row[m._LIVE0 + c], row[m._FIRST0 + c]
+            assert first + live <= block_q
+            stored = row0 + c * block_q + first
+            written[stored : stored + live] += 1
+            lo_blk, mid_lo, mid_hi, hi_blk = row[m._BOUNDS + 4 * c : m._BOUNDS + 4 * c + 4]
+            assert kv_lo <= lo_blk <= mid_lo <= mid_hi <= hi_blk <= kv_hi
+            pos = pos0 + c * block_q + first + np.arange(live)
+            keys = np.arange((kv_hi + 1) * block_k)
+            visible = (keys[None] < kv_len) & (keys[None] <= pos[:, None] + right)
+            visible &= keys[None] > pos[:, None] - left
+            visible &= bool(attend)
+            blocks = np.arange(kv_hi + 1)
+            seen = visible.reshape(live, len(blocks), block_k)  # [rows, blocks, keys]
+            any_visible = seen.any(axis=(0, 2))
+            all_visible = seen.all(axis=(0, 2)) if live else np.zeros_like(any_visible)
+            computed = (blocks >= lo_blk) & (blocks < hi_blk)
+            unmasked = (blocks >= mid_lo) & (blocks < mid_hi)
+            # Every block some live row sees is computed; computed blocks lie in the
+            # contiguous range that ends at the last such block; unmasked blocks are fully
+            # visible to every live row.
+            assert np.all(computed[any_visible])
+            if any_visible.any():
+                assert lo_blk == blocks[any_visible].min()
+                assert hi_blk == blocks[any_visible].max() + 1
+            else:
+                assert lo_blk == hi_blk
+            assert np.all(all_visible[unmasked])
+        # The producer loads exactly the union of the consumers' blocks.
+        bounds = [row[m._BOUNDS + 4 * c : m._BOUNDS + 4 * c + 4] for c in range(m._CONSUMERS)]
+        working = [(b[0], b[3]) for b in bounds if b[0] < b[3]]
+        if working:
+            assert kv_lo == min(b[0] for b in working) and kv_hi == max(b[1] for b in working)
+        else:
+            assert kv_lo == kv_hi
+    # Each bucket row is stored by exactly one consumer (live rows and zeroed rows alike).
+    assert np.all(written == 1)
+
+
+def _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads, case=MOSAIC_CASE):
+    return case_batch(
+        rng,
+        case,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        cache_len=512,
+        dtype=dtype,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not supports_mosaic(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_k", [64, 128])
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_q_heads, num_kv_heads",
+    [(jnp.bfloat16, 128, 8, 2), (jnp.float16, 64, 3, 3), (jnp.bfloat16, 64, 4, 1)],
+)
+def test_mosaic_kernel_matches_oracle(
+    dtype, head_dim, num_q_heads, num_kv_heads, causal, window, block_k
+):
+    rng = np.random.default_rng(50)
+    batch = _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads)
+    blocks = attention_mosaic.BlockSizes(block_k=block_k)
+    out = attention_mosaic.masked_tail_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        **batch.kwargs(),
+        causal=causal,
+        sm_scale=head_dim**-0.5,
+        sliding_window=window,
+        block_sizes=blocks,
+    )
+    check_attention(batch, out, causal=causal, sliding_window=window)

@@ -1,0 +1,492 @@
+"""Masked-tail attention prefill as a Pallas Mosaic GPU kernel (Hopper: wgmma, TMA).
+
+FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, arXiv 2407.08608) layout
+of one thread block: a producer warpgroup streams K/V tiles into a ring of shared-memory
+slots with TMA, and two consumer warpgroups each own ``block_q`` query rows, run both
+matmuls on the tensor cores (``wgmma``: ``S = Q K^T`` from shared memory, ``O += P V``
+with ``P`` in registers) and keep the online softmax (FlashAttention-2, Algorithm 1) in
+fp32 registers. Slots are recycled through barriers: "full" (TMA landed) and "consumed"
+(both consumers are done with it).
+
+The work is the Triton prefill kernel's (``triton.py``), in 2 × ``block_q``-row items:
+the same sequence-aligned table (:func:`~pallas_kernels.attention._layout.prefill_table`,
+longest first), the same visible band of keys, and each item's KV loop covers exactly the
+blocks some live row sees. The wrapper turns the table into a per-item plan (:func:`plan`):
+rows, slot, ``kv_len``, first position and, per consumer warpgroup, the KV blocks it
+computes with a mask (window edge, diagonal, ``kv_len``), without one (interior) and those
+it only releases (blocks the other consumer needs). The kernel follows the plan.
+
+Masking never lets cache contents past ``kv_len`` (NaN in tests) reach an output: their
+logits are replaced by ``-inf`` and, in the one block holding ``kv_len``, the consumers
+zero those value rows in shared memory before ``P V`` (``0 × NaN`` would be NaN). Query
+rows past a sequence's end are computed and dropped: outputs go out through TMA stores of
+exactly the live rows (a ladder of power-of-two row counts; TMA boxes are static), so no
+item writes another sequence's rows. Rows no live sequence owns are written as zeros.
+
+Covers bf16/fp16 queries and caches of the same dtype, head dims 64 and 128, any GQA
+group (one thread block per query head; the KV heads' tiles are shared through L2).
+Other cases, and decode-shaped batches (bandwidth-bound: the Triton flash-decoding
+kernels), go to the Triton kernels (:func:`supports`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention import triton as attention_triton
+from pallas_kernels.attention._layout import (
+    NO_WINDOW,
+    band_operand,
+    checked_slots,
+    is_decode_shaped,
+    scale_operand,
+)
+
+# Consumer warpgroups per thread block, each with ``block_q`` query rows.
+_CONSUMERS: Final = 2
+# Register split of a 3-warpgroup block (65,536 registers / 384 threads): the consumers
+# hold the fp32 accumulators, the producer only issues copies.
+_CONSUMER_REGISTERS: Final = 232
+_PRODUCER_REGISTERS: Final = 40
+# Running max before any key: finite, so a row whose keys are all masked (-inf logits)
+# keeps alpha = 2^(min - min) = 1 and p = 2^(-inf) = 0 instead of NaN.
+_MASK_MAX: Final = float(jnp.finfo(jnp.float32).min)
+_TINY: Final = float(jnp.finfo(jnp.float32).tiny)
+# 128-byte swizzle of 64-element (bf16) rows: the wgmma operand layout for K and V tiles.
+_SWIZZLE_BYTES: Final = 128
+_SUPPORTED_HEAD_DIMS: Final = (64, 128)
+# Rows of a swizzled tile: TMA copies of tiled tiles need T and L to be multiples of it.
+_TMA_ROWS: Final = 8
+
+# Columns of the per-item plan (int32[num_items, _PLAN_COLUMNS]).
+_ROW0, _FIRST0, _FIRST1, _LIVE0, _LIVE1, _ATTEND, _SLOT, _KV_LEN, _POS0 = range(9)
+_KV_LO, _KV_HI = 9, 10
+_BOUNDS = 11  # 4 block bounds per consumer: lo, mid_lo, mid_hi, hi
+_PLAN_COLUMNS: Final = _BOUNDS + 4 * _CONSUMERS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling of the Mosaic GPU prefill kernel."""
+
+    block_q: int = 64  # query rows per consumer warpgroup (the wgmma M dimension)
+    block_k: int = 128  # keys per KV step
+    num_stages: int = 2  # K/V slots in the TMA ring
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"block_q={self.block_q} must be 64 (one wgmma row block)")
+        if self.block_k % 64 or self.block_k < 64:
+            raise ValueError(f"block_k={self.block_k} must be a multiple of 64")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 2")
+
+
+def supports(q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> bool:
+    """Whether the Mosaic GPU prefill kernel takes this call (static: shapes and dtypes)."""
+    return (
+        q.dtype in (jnp.bfloat16, jnp.float16)
+        and k_cache.dtype == q.dtype
+        and q.shape[2] in _SUPPORTED_HEAD_DIMS
+        # TMA views the token and cache axes in tiles of 8 rows.
+        and q.shape[0] % _TMA_ROWS == 0
+        and k_cache.shape[1] % _TMA_ROWS == 0
+        and not is_decode_shaped(q.shape[0], query_start_loc.shape[0] - 1)
+    )
+
+
+def plan(
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    band: jax.Array,
+    *,
+    num_tokens: int,
+    num_slots: int,
+    cache_len: int,
+    block_q: int,
+    block_k: int,
+) -> jax.Array:
+    """Per-item plan of the kernel, int32[num_items, _PLAN_COLUMNS], in launch order
+    (jittable, no host sync).
+
+    Segments are the sequences' rows plus the bucket rows past the last one (zeroed).
+    A segment's items are ``_CONSUMERS * block_q``-row blocks starting at its first row
+    rounded down to a multiple of 8 (TMA reads query tiles at tile-aligned rows), so an
+    item's first rows may belong to the previous segment: they are computed and dropped.
+    Consumer ``c`` reads rows ``row0 + c * block_q + [0, block_q)`` (positions
+    ``pos0 + c * block_q + i``) and stores rows ``[first_c, first_c + live_c)`` of them.
+    Its keys ``[lo, hi)`` are visible to some stored row and ``[full_lo, full_hi)`` to
+    every one; in KV blocks: ``[lo_blk, mid_lo)`` and ``[mid_hi, hi_blk)`` are masked,
+    ``[mid_lo, mid_hi)`` unmasked. The producer loads the union ``[kv_lo, kv_hi)`` of the
+    consumers' blocks; a consumer releases the blocks of the union outside its own. Items
+    are sorted by their number of KV blocks, longest first (the GPU starts the longest
+    thread blocks first and ends on short ones).
+    """
+    item_rows = _CONSUMERS * block_q
+    num_seqs = slot_ids.shape[0]
+    # Each segment's items cover its rows plus < 8 leading rows: one extra item at most.
+    num_items = pl.cdiv(num_tokens, item_rows) + 2 * (num_seqs + 1)
+    qsl = jnp.clip(query_start_loc, 0, num_tokens).astype(jnp.int32)
+    seg_start = qsl  # B sequences, then the bucket rows [qsl[-1], T)
+    seg_end = jnp.append(qsl[1:], num_tokens)
+    seg_aligned = seg_start - seg_start % _TMA_ROWS
+    seg_items = jnp.where(seg_end > seg_start, pl.cdiv(seg_end - seg_aligned, item_rows), 0)
+    seg_items_end = jnp.cumsum(seg_items)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(seg_items_end, item, side="right"), num_seqs)
+    used = item < seg_items_end[-1]
+    row0 = seg_aligned[seg] + (item - (seg_items_end[seg] - seg_items[seg])) * item_rows
+    seq = jnp.minimum(seg, num_seqs - 1)
+    is_seq = used & (seg < num_seqs)
+    slot = jnp.where(is_seq, checked_slots(slot_ids, num_slots)[seq], -1)
+    attend = slot >= 0
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    pos0 = row0 + (kv_lens - q_len - query_start_loc[:-1])[seq]
+    kv_len = jnp.where(attend, jnp.clip(kv_lens, 0, cache_len)[seq], 0)
+    left, right = band[0], band[1]
+    columns = {_ROW0: row0, _ATTEND: attend, _SLOT: slot, _KV_LEN: kv_len, _POS0: pos0}
+    union_lo = jnp.full_like(row0, jnp.iinfo(jnp.int32).max)
+    union_hi = jnp.zeros_like(row0)
+    bounds = []
+    for c in range(_CONSUMERS):
+        tile_row = row0 + c * block_q
+        first = jnp.clip(seg_start[seg] - tile_row, 0, block_q)
+        live = jnp.where(used, jnp.clip(seg_end[seg] - tile_row, 0, block_q) - first, 0)
+        live = jnp.maximum(live, 0)
+        columns[_FIRST0 + c], columns[_LIVE0 + c] = first, live
+        pos_first = pos0 + c * block_q + first
+        pos_last = pos_first + live - 1
+        lo = jnp.maximum(pos_first - left + 1, 0)
+        hi = jnp.clip(pos_last + right + 1, 0, kv_len)
+        full_lo = jnp.maximum(pos_last - left + 1, 0)
+        full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
+        works = attend & (live > 0) & (hi > lo)
+        lo_blk = lo // block_k
+        hi_blk = jnp.where(works, pl.cdiv(hi, block_k), lo_blk)
+        mid_lo = jnp.clip(pl.cdiv(full_lo, block_k), lo_blk, hi_blk)
+        mid_hi = jnp.clip(full_hi // block_k, mid_lo, hi_blk)
+        union_lo = jnp.where(works, jnp.minimum(union_lo, lo_blk), union_lo)
+        union_hi = jnp.where(works, jnp.maximum(union_hi, hi_blk), union_hi)
+        bounds.append((works, (lo_blk, mid_lo, mid_hi, hi_blk)))
+    union_lo = jnp.minimum(union_lo, union_hi)  # no working consumer: an empty union
+    columns[_KV_LO], columns[_KV_HI] = union_lo, union_hi
+    for c, (works, blocks) in enumerate(bounds):
+        for i, b in enumerate(blocks):
+            # An idle consumer releases every block: its bounds collapse onto kv_hi.
+            columns[_BOUNDS + 4 * c + i] = jnp.where(works, b, union_hi)
+    table = jnp.stack([columns[i].astype(jnp.int32) for i in range(_PLAN_COLUMNS)], axis=1)
+    # Longest first; items that store nothing last.
+    cost = jnp.where(used, union_hi - union_lo, -1)
+    return table[jnp.argsort(-cost, stable=True)]
+
+
+def _kernel(
+    plan_ref,  # [num_items, _PLAN_COLUMNS] int32
+    scale_ref,  # [1] fp32: sm_scale * log2(e)
+    band_ref,  # [2] int32: (left, right)
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D]
+    v_ref,  # [S, L, Hkv, D]
+    o_ref,  # [T, Hq, D]
+    *,
+    group: int,
+    block_q: int,
+    block_k: int,
+    num_stages: int,
+):
+    head_dim = q_ref.shape[2]
+    dtype = q_ref.dtype
+    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
+    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+
+    def body(q_smem, o_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free):
+        head, item = lax.axis_index("head"), lax.axis_index("item")
+        wg = lax.axis_index("wg")
+        kv_head = head // group
+
+        def entry(column):
+            return plan_ref[item, column]
+
+        kv_lo, kv_hi = entry(_KV_LO), entry(_KV_HI)
+        slot = jnp.maximum(entry(_SLOT), 0)
+
+        def kv_tile(ref, j):
+            return ref.at[slot, pl.ds(j * block_k, block_k), kv_head]
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            def load(j, ring):
+                plgpu.copy_gmem_to_smem(kv_tile(k_ref, j), k_smem.at[ring], k_full.at[ring])
+                plgpu.copy_gmem_to_smem(kv_tile(v_ref, j), v_smem.at[ring], v_full.at[ring])
+
+            for i in range(num_stages):  # the ring's first fill
+                pl.when(kv_lo + i < kv_hi)(functools.partial(load, kv_lo + i, i))
+
+            @pl.loop(kv_lo + num_stages, kv_hi)
+            def _steady(j):
+                ring = lax.rem(j - kv_lo, num_stages)
+                plgpu.barrier_wait(k_free.at[ring])
+                plgpu.barrier_wait(v_free.at[ring])
+                load(j, ring)
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            c = wg
+            row0 = entry(_ROW0) + c * block_q
+            first = jnp.where(c == 0, entry(_FIRST0), entry(_FIRST1))
+            live = jnp.where(c == 0, entry(_LIVE0), entry(_LIVE1))
+            attend = entry(_ATTEND) != 0
+            kv_len = entry(_KV_LEN)
+            pos0 = entry(_POS0) + c * block_q
+
+            def bound(i):
+                return jnp.where(c == 0, entry(_BOUNDS + i), entry(_BOUNDS + 4 + i))
+
+            lo_blk, mid_lo, mid_hi, hi_blk = (bound(i) for i in range(4))
+            q_tile, o_tile = q_smem.at[c], o_smem.at[c]
+            left, right = band_ref[0], band_ref[1]
+            qk_scale = scale_ref[0]
+
+            @pl.when(attend & (lo_blk < hi_blk))
+            def _load_q():
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, block_q), head], q_tile, q_full.at[c])
+                plgpu.barrier_wait(q_full.at[c])
+
+            def release(j, carry):
+                ring = lax.rem(j - kv_lo, num_stages)
+                plgpu.barrier_wait(k_full.at[ring])
+                plgpu.barrier_arrive(k_free.at[ring])
+                plgpu.barrier_wait(v_full.at[ring])
+                plgpu.barrier_arrive(v_free.at[ring])
+                return carry
+
+            def step(j, carry, *, masked):
+                m, l, acc = carry
+                ring = lax.rem(j - kv_lo, num_stages)
+                plgpu.barrier_wait(k_full.at[ring])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[ring].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[ring])
+                s = s * qk_scale
+                if masked:
+                    shape = (block_q, block_k)
+                    pos = pos0 + plgpu.broadcasted_iota(
+                        jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA
+                    )
+                    key = j * block_k + plgpu.broadcasted_iota(
+                        jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
+                    )
+                    visible = (key < kv_len) & (key <= pos + right) & (key > pos - left)
+                    s = jnp.where(visible, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_full.at[ring])
+                v_tile = v_smem.at[ring]
+                if masked:
+                    # Value rows at or past kv_len hold whatever the cache holds there
+                    # (NaN in tests): p is 0 for them, but 0 * NaN is not. Both
+                    # consumers write the same zeros, so the overlap is harmless.
+                    @pl.when((j + 1) * block_k > kv_len)
+                    def _zero_tail():
+                        v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+                        key_row = j * block_k + plgpu.broadcasted_iota(
+                            jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA
+                        )
+                        v_tile[...] = jnp.where(key_row < kv_len, v, jnp.zeros_like(v))
+                        plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[ring])
+                return m_new, l, acc
+
+            m = plgpu.layout_cast(
+                jnp.full((block_q,), _MASK_MAX, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
+            l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+            carry = (m, l, acc)
+            lax.fori_loop(kv_lo, lo_blk, release, None)
+            carry = lax.fori_loop(lo_blk, mid_lo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(mid_hi, hi_blk, functools.partial(step, masked=True), carry)
+            lax.fori_loop(hi_blk, kv_hi, release, None)
+            _, l, acc = carry
+            # Rows with no visible key and zeroing items (no step: l = 0, acc = 0) give 0.
+            out = acc * lax.broadcast_in_dim(1.0 / jnp.maximum(l, _TINY), acc.shape, [0])
+            o_tile[...] = out.astype(dtype)
+            plgpu.commit_smem()
+            # TMA boxes are static: store the live rows as a sum of powers of two.
+            start = first
+            size = block_q
+            while size >= 1:
+                take = (live & size) != 0
+                plgpu.copy_smem_to_gmem(
+                    o_tile.at[pl.ds(start, size)],
+                    o_ref.at[pl.ds(row0 + start, size), head],
+                    predicate=take,
+                )
+                start = start + jnp.where(take, size, 0)
+                size //= 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((_CONSUMERS, block_q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_CONSUMERS, block_q, head_dim), dtype),
+        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tiles),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        collective_axes="wg",
+    )
+
+
+def prefill_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    causal: bool | jax.Array,
+    sm_scale: float | jax.Array,
+    sliding_window: int | jax.Array | None,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+) -> jax.Array:
+    """The Mosaic GPU prefill kernel, ``out[T, Hq, D]``; the call must be
+    :func:`supports`-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    b = block_sizes
+    band = band_operand(causal, sliding_window)
+    item_plan = plan(
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        band,
+        num_tokens=num_tokens,
+        num_slots=num_slots,
+        cache_len=cache_len,
+        block_q=b.block_q,
+        block_k=b.block_k,
+    )
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            group=num_q_heads // num_kv_heads,
+            block_q=b.block_q,
+            block_k=b.block_k,
+            num_stages=b.num_stages,
+        ),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        # The query head varies fastest: the heads of the longest items start first and
+        # the heads sharing a KV head run side by side (their K/V tiles hit in L2).
+        grid=(num_q_heads, item_plan.shape[0]),
+        grid_names=("head", "item"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+        interpret=interpret,
+    )
+    return kernel(item_plan, scale_operand(sm_scale), band, q, k_cache, v_cache)
+
+
+def masked_tail_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    causal: bool,
+    sm_scale: float,
+    sliding_window: int | None,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated.
+
+    Prefill batches of bf16/fp16 with head dim 64 or 128 take the Mosaic GPU kernel; the
+    rest (decode-shaped batches, fp32, other head dims) the Triton kernels.
+    """
+    if not supports(q, k_cache, query_start_loc):
+        return attention_triton.masked_tail_attention(
+            q,
+            k_cache,
+            v_cache,
+            query_start_loc=query_start_loc,
+            kv_lens=kv_lens,
+            slot_ids=slot_ids,
+            causal=causal,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+        )
+    return _attention(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        jnp.asarray(causal),
+        jnp.asarray(sm_scale, jnp.float32),
+        jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32),
+        block_sizes=block_sizes or BlockSizes(),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes",))
+def _attention(
+    q,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    kv_lens,
+    slot_ids,
+    causal,
+    sm_scale,
+    window,
+    *,
+    block_sizes,
+):
+    return prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc=query_start_loc,
+        kv_lens=kv_lens,
+        slot_ids=slot_ids,
+        causal=causal,
+        sm_scale=sm_scale,
+        sliding_window=window,
+        block_sizes=block_sizes,
+    )
