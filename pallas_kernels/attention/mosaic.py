@@ -208,7 +208,7 @@ def _kernel(
     tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
     tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
 
-    def body(q_smem, o_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free):
+    def body(q_smem, o_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free, turn):
         head, item = lax.axis_index("head"), lax.axis_index("item")
         wg = lax.axis_index("wg")
         kv_head = head // group
@@ -264,12 +264,18 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, block_q), head], q_tile, q_full.at[c])
                 plgpu.barrier_wait(q_full.at[c])
 
+            def take_turn():
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
             def release(j, carry):
                 ring = lax.rem(j - kv_lo, num_stages)
                 plgpu.barrier_wait(k_full.at[ring])
                 plgpu.barrier_arrive(k_free.at[ring])
                 plgpu.barrier_wait(v_full.at[ring])
                 plgpu.barrier_arrive(v_free.at[ring])
+                take_turn()  # a step's two turns, so the consumers stay in step
+                take_turn()
                 return carry
 
             def step(j, carry, *, masked):
@@ -279,6 +285,7 @@ def _kernel(
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[ring].transpose((1, 0)))
+                    take_turn()  # the other consumer's softmax overlaps this matmul
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
@@ -299,6 +306,10 @@ def _kernel(
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p = p.astype(dtype)
+                # Keeps the softmax ahead of the turn hand-over (FlashAttention-3's order).
+                m_new, l, acc, p = lax.optimization_barrier((m_new, l, acc, p))
+                plgpu.barrier_arrive(turn)  # softmax done: the tensor cores are free
                 plgpu.barrier_wait(v_full.at[ring])
                 v_tile = v_smem.at[ring]
                 if masked:
@@ -314,8 +325,10 @@ def _kernel(
                         v_tile[...] = jnp.where(key_row < kv_len, v, jnp.zeros_like(v))
                         plgpu.commit_smem()
 
+                plgpu.barrier_wait(turn)
+
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
+                    plgpu.wgmma(acc_ref, p, v_tile)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[ring])
@@ -327,11 +340,17 @@ def _kernel(
             l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
             carry = (m, l, acc)
+            # Ping-pong (FlashAttention-3, section 3.1): the consumers pass turns through a
+            # two-arrival barrier, so one's softmax runs under the other's matmuls. Every
+            # step (computed or released) takes two turns per consumer; consumer 1 takes
+            # one first and consumer 0 one last, which offsets them by half a step.
+            pl.when(c == 1)(take_turn)
             lax.fori_loop(kv_lo, lo_blk, release, None)
             carry = lax.fori_loop(lo_blk, mid_lo, functools.partial(step, masked=True), carry)
             carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
             carry = lax.fori_loop(mid_hi, hi_blk, functools.partial(step, masked=True), carry)
             lax.fori_loop(hi_blk, kv_hi, release, None)
+            pl.when(c == 0)(take_turn)
             _, l, acc = carry
             # Rows with no visible key and zeroing items (no step: l = 0, acc = 0) give 0.
             out = acc * lax.broadcast_in_dim(1.0 / jnp.maximum(l, _TINY), acc.shape, [0])
@@ -362,6 +381,7 @@ def _kernel(
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS),
         collective_axes="wg",
     )
 
