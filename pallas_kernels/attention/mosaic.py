@@ -5,28 +5,32 @@ of one thread block: a producer warpgroup streams K/V tiles into a ring of share
 slots with TMA, and two consumer warpgroups each own ``block_q`` query rows, run both
 matmuls on the tensor cores (``wgmma``: ``S = Q K^T`` from shared memory, ``O += P V``
 with ``P`` in registers) and keep the online softmax (FlashAttention-2, Algorithm 1) in
-fp32 registers. Slots are recycled through barriers: "full" (TMA landed) and "consumed"
-(both consumers are done with it).
+fp32 registers. Slots are recycled through barriers: "full" (TMA landed) and "free"
+(both consumers are done with it). The consumers ping-pong (FlashAttention-3, 3.1): a
+two-arrival barrier hands the tensor cores from one to the other, so one's softmax runs
+under the other's matmuls.
 
-The work is the Triton prefill kernel's (``triton.py``), in 2 × ``block_q``-row items:
-the same sequence-aligned table (:func:`~pallas_kernels.attention._layout.prefill_table`,
-longest first), the same visible band of keys, and each item's KV loop covers exactly the
-blocks some live row sees. The wrapper turns the table into a per-item plan (:func:`plan`):
-rows, slot, ``kv_len``, first position and, per consumer warpgroup, the KV blocks it
-computes with a mask (window edge, diagonal, ``kv_len``), without one (interior) and those
-it only releases (blocks the other consumer needs). The kernel follows the plan.
+The work is the Triton prefill kernel's (``triton.py``): the same visible band of keys,
+and each consumer's KV loop covers exactly the blocks some stored row sees, masked only on
+the window edge, diagonal and ``kv_len`` blocks. The wrapper builds a per-item plan
+(:func:`plan`; items of 2 × ``block_q`` rows per sequence, longest first): rows, slot,
+``kv_len``, first position and, per consumer, the KV blocks it computes with and without a
+mask and those it only releases (blocks the other consumer needs). The kernel follows it.
 
 Masking never lets cache contents past ``kv_len`` (NaN in tests) reach an output: their
 logits are replaced by ``-inf`` and, in the one block holding ``kv_len``, the consumers
 zero those value rows in shared memory before ``P V`` (``0 × NaN`` would be NaN). Query
-rows past a sequence's end are computed and dropped: outputs go out through TMA stores of
-exactly the live rows (a ladder of power-of-two row counts; TMA boxes are static), so no
-item writes another sequence's rows. Rows no live sequence owns are written as zeros.
+tiles start at rows that are multiples of 8 (TMA reads tiled tiles only there), so a tile
+may begin with a few rows of the previous sequence and end with rows of the next: they
+are computed and dropped. Outputs go out through TMA stores of exactly the rows a
+consumer owns (a ladder of power-of-two row counts; TMA boxes are static), so no item
+writes another sequence's rows. Rows no live sequence owns are written as zeros.
 
 Covers bf16/fp16 queries and caches of the same dtype, head dims 64 and 128, any GQA
-group (one thread block per query head; the KV heads' tiles are shared through L2).
-Other cases, and decode-shaped batches (bandwidth-bound: the Triton flash-decoding
-kernels), go to the Triton kernels (:func:`supports`).
+group (one thread block per query head; the KV heads' tiles are shared through L2), and
+token counts and cache lengths that are multiples of 8. Other cases, and decode-shaped
+batches (bandwidth-bound: the Triton flash-decoding kernels), go to the Triton kernels
+(:func:`supports`).
 """
 
 from __future__ import annotations
@@ -209,6 +213,9 @@ def _kernel(
     tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
 
     def body(q_smem, o_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free, turn):
+        # The ring: block j of the item's union [kv_lo, kv_hi) goes to slot (j - kv_lo) %
+        # num_stages; k_full/v_full fire when its TMA lands, k_free/v_free when both
+        # consumers are done with it (each consumer waits and arrives once per block).
         head, item = lax.axis_index("head"), lax.axis_index("item")
         wg = lax.axis_index("wg")
         kv_head = head // group

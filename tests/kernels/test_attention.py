@@ -1071,3 +1071,38 @@ def test_mosaic_kernel_matches_oracle(
         block_sizes=blocks,
     )
     check_attention(batch, out, causal=causal, sliding_window=window)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_q_heads, num_kv_heads",
+    [(jnp.bfloat16, 128, 8, 2), (jnp.float16, 64, 4, 4)],
+)
+def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_heads):
+    """The Mosaic GPU kernel lowers for Hopper on any machine (CI has no GPU): catches
+    unsupported primitives and layouts before a GPU run does."""
+    T, S, L, B = 512, 4, 1024, 3
+
+    def fn(q, k, v, qsl, kv_lens, slots):
+        return attention_mosaic.prefill_attention(
+            q,
+            k,
+            v,
+            query_start_loc=qsl,
+            kv_lens=kv_lens,
+            slot_ids=slots,
+            causal=True,
+            sm_scale=head_dim**-0.5,
+            sliding_window=None,
+            block_sizes=attention_mosaic.BlockSizes(),
+        )
+
+    text = lower_for_cuda(
+        fn,
+        spec((T, num_q_heads, head_dim), dtype),
+        spec((S, L, num_kv_heads, head_dim), dtype),
+        spec((S, L, num_kv_heads, head_dim), dtype),
+        spec((B + 1,), jnp.int32),
+        spec((B,), jnp.int32),
+        spec((B,), jnp.int32),
+    )
+    assert "mosaic_gpu" in text
