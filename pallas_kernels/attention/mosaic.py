@@ -405,7 +405,6 @@ def prefill_attention(
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
     block_sizes: BlockSizes,
-    interpret: bool = False,
 ) -> jax.Array:
     """The Mosaic GPU prefill kernel, ``out[T, Hq, D]``; the call must be
     :func:`supports`-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced."""
@@ -442,7 +441,6 @@ def prefill_attention(
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
-        interpret=interpret,
     )
     return kernel(item_plan, scale_operand(sm_scale), band, q, k_cache, v_cache)
 
@@ -462,8 +460,9 @@ def masked_tail_attention(
 ) -> jax.Array:
     """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated.
 
-    Prefill batches of bf16/fp16 with head dim 64 or 128 take the Mosaic GPU kernel; the
-    rest (decode-shaped batches, fp32, other head dims) the Triton kernels.
+    Prefill batches that :func:`supports` takes (bf16/fp16, head dim 64 or 128, T and L
+    multiples of 8) run the Mosaic GPU kernel; the rest (decode-shaped batches, fp32,
+    other head dims, unaligned T or L) the Triton kernels.
     """
     if not supports(q, k_cache, query_start_loc):
         return attention_triton.masked_tail_attention(
