@@ -1033,6 +1033,23 @@ def test_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
     assert np.all(written == 1)
 
 
+@pytest.mark.parametrize("num_q_heads, group", [(32, 1), (32, 4), (28, 4), (6, 3), (8, 8)])
+@pytest.mark.parametrize("num_items", [1, 50, 138, 10_000])
+def test_mosaic_head_group_divides_heads_and_fills_the_gpu(num_q_heads, group, num_items):
+    num_sms = 132
+    heads = attention_mosaic.default_head_group(
+        num_q_heads=num_q_heads, group=group, num_items=num_items, num_sms=num_sms
+    )
+    assert num_q_heads % heads == 0
+    assert heads % group == 0  # query heads sharing a KV head launch together
+    waves = attention_mosaic._WAVES_PER_HEAD_GROUP
+    if heads < num_q_heads:  # a group fills the GPU...
+        assert heads * num_items >= waves * num_sms
+    # ...with no more heads than it needs.
+    for fewer in range(group, heads, group):
+        assert num_q_heads % fewer or fewer * num_items < waves * num_sms
+
+
 def _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads, case=MOSAIC_CASE):
     return case_batch(
         rng,
@@ -1047,7 +1064,8 @@ def _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads, case=MOSAIC_C
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not supports_mosaic(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("block_k", [64, 128])
+# One head per launch group (the head-to-block mapping at its finest) and the default.
+@pytest.mark.parametrize("block_k, head_group", [(64, 1), (128, None)])
 @pytest.mark.parametrize("window", [None, 70])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize(
@@ -1055,11 +1073,11 @@ def _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads, case=MOSAIC_C
     [(jnp.bfloat16, 128, 8, 2), (jnp.float16, 64, 3, 3), (jnp.bfloat16, 64, 4, 1)],
 )
 def test_mosaic_kernel_matches_oracle(
-    dtype, head_dim, num_q_heads, num_kv_heads, causal, window, block_k
+    dtype, head_dim, num_q_heads, num_kv_heads, causal, window, block_k, head_group
 ):
     rng = np.random.default_rng(50)
     batch = _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads)
-    blocks = attention_mosaic.BlockSizes(block_k=block_k)
+    blocks = attention_mosaic.BlockSizes(block_k=block_k, head_group=head_group)
     out = attention_mosaic.masked_tail_attention(
         batch.q,
         batch.k_cache,
