@@ -30,6 +30,12 @@ def silu(v: jax.Array) -> jax.Array:
     return v * jax.nn.sigmoid(v)
 
 
+def checked_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:
+    """Slot ids with anything outside ``[0, S)`` (padding's -1, bad data) mapped to -1:
+    such rows read and write nothing."""
+    return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1).astype(jnp.int32)
+
+
 def slot_scatter_index(slot_ids: jax.Array, num_slots: int) -> jax.Array:
     """Slot ids with padding (``-1``) mapped past the cache, so ``mode="drop"`` writes skip it.
 

@@ -25,14 +25,13 @@ from pallas_kernels.testing import relative_error
 CONV_CANDIDATES = [
     dict(block_t=bt, unroll_t=ut, block_d=bd, num_warps=w)
     for bt, ut, bd, w in [
-        (128, 4, 256, 2),  # the defaults
-        (128, 4, 256, 1),  # 8 channels (16 bytes) per thread per row
-        (128, 4, 512, 2),
-        (256, 4, 256, 1),
-        (64, 4, 256, 1),
-        (128, 4, 128, 1),
-        (256, 4, 256, 2),
-        (128, 4, 512, 4),
+        (128, 8, 256, 2),  # the defaults
+        (128, 4, 256, 2),
+        (128, 16, 256, 2),
+        (256, 8, 256, 2),
+        (64, 8, 256, 2),
+        (128, 8, 256, 1),  # 8 channels (16 bytes) per thread per row
+        (128, 8, 512, 4),
     ]
 ]
 NORM_CANDIDATES = [dict(block_rows=r, num_warps=w) for r, w in [(1, 8), (1, 16)]]

@@ -158,12 +158,6 @@ def band_operand(causal: bool | jax.Array, sliding_window: int | jax.Array | Non
     return jnp.stack([jnp.asarray(left, jnp.int32), right.astype(jnp.int32)])
 
 
-def checked_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:
-    """Slot ids with anything outside ``[0, S)`` (padding's -1, bad data) mapped to -1:
-    such rows read and write nothing."""
-    return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1).astype(jnp.int32)
-
-
 def is_decode_shaped(num_tokens: int, num_seqs: int) -> bool:
     """Static rule for the split-KV path: no more tokens than sequences (every sequence
     has at most one token on average; the kernels stay correct for any layout)."""

@@ -47,11 +47,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import checked_slots
 from pallas_kernels.attention import triton as attention_triton
 from pallas_kernels.attention._layout import (
     NO_WINDOW,
     band_operand,
-    checked_slots,
     is_decode_shaped,
     scale_operand,
 )

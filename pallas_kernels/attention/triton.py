@@ -62,12 +62,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import matmul_precision
+from pallas_kernels._common import checked_slots, matmul_precision
 from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, next_power_of_2
 from pallas_kernels.attention._layout import (
     NO_WINDOW,
     band_operand,
-    checked_slots,
     is_decode_shaped,
     prefill_schedule,
     prefill_table,

@@ -19,25 +19,31 @@ Decode (``causal_conv1d_update``): one program per (row, channel block) keeps th
 column window in registers, advances it over the row's ``L`` tokens and writes it back
 in place (the cache is aliased input → output).
 
-Memory-bound: x is read once from memory, y written once; fp32 accumulation.
+x is read once from memory, y written once; fp32 accumulation. At 4 channels per thread
+the prefill kernel is bound by issue slots as much as by bytes (Nsight Compute on an H200:
+95 registers, 20 warps per SM, issue slots 88 % busy with libdevice's ``expf`` and an IEEE
+divide in the SiLU), so the per-row arithmetic is kept to fused multiply-adds and a cheap
+activation (:func:`_activate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import silu
+from pallas_kernels._common import checked_slots
 from pallas_kernels._pallas import block_dim, for_each_tail_block, static_index
 from pallas_kernels.metadata import sequence_block_table
 
 # Programs per channel block that zero the bucket rows past the sequences.
 _TAIL_PROGRAMS = 8
+_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,10 +68,11 @@ class BlockSizes:
 
 def default_block_sizes(dim: int) -> BlockSizes:
     """Measured on an H200 (tools/tune_conv1d.py, bamba-conv): 256 channels on two warps
-    (4 channels per thread per row; wider blocks or 32-row steps run out of registers),
-    128 tokens per program in steps of 4 rows, 0.41 ms. 8-row steps took 0.43 ms, 16-row
-    steps 0.47 ms, one program per 16 rows (67k programs) 0.49 ms."""
-    return BlockSizes(block_t=128, unroll_t=4, block_d=min(256, block_dim(dim, 4)), num_warps=2)
+    (4 channels per thread per row), 128 tokens per program in steps of 8 rows: 0.32 ms.
+    Steps of 4 rows took 0.34 ms, 512-channel blocks on 4 warps 0.35 ms; before the
+    activation took few instructions, 8-row steps were the slower ones (0.43 against
+    0.41 ms) and one program per 16 rows (67k programs) took 0.49 ms."""
+    return BlockSizes(block_t=128, unroll_t=8, block_d=min(256, block_dim(dim, 4)), num_warps=2)
 
 
 def default_update_block_sizes(dim: int) -> BlockSizes:
@@ -73,8 +80,26 @@ def default_update_block_sizes(dim: int) -> BlockSizes:
     return BlockSizes(block_t=4, unroll_t=4, block_d=min(256, block_dim(dim, 4)), num_warps=4)
 
 
-def _activate(y: jax.Array, activation: str | None) -> jax.Array:
-    return silu(y) if activation == "silu" else y
+def _activate(y: jax.Array, activation: str | None, *, approx_tanh: bool) -> jax.Array:
+    """The activation in fp32 on few instructions: the prefill kernel is bound by issue
+    slots, not bytes, with ``jax.nn.sigmoid`` (libdevice ``expf`` and an IEEE divide: 0.41
+    ms on bamba-conv against 0.37 ms with ``exp2`` and 0.32 ms with ``tanh.approx``).
+
+    ``silu(y) = y / (1 + 2^(-y log2 e))`` (a few ulp in fp32), or with ``approx_tanh``
+    ``h + h tanh(h)``, ``h = y / 2``, on the hardware tanh (relative error ~2^-11: under
+    half a bf16 ulp; inline PTX, so compiled kernels only)."""
+    if activation != "silu":
+        return y
+    if approx_tanh:
+        half = 0.5 * y
+        return half + half * plgpu.approx_tanh(half)
+    return y / (1.0 + jnp.exp2(y * -_LOG2E))
+
+
+def _approx_tanh(dtype, interpret: bool) -> bool:
+    """The hardware tanh serves bf16 outputs (its error is far under their rounding) of
+    compiled kernels (interpret mode cannot run inline PTX); fp16 and fp32 take exp2."""
+    return dtype == jnp.bfloat16 and not interpret
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -98,6 +123,7 @@ def _prefill_kernel(
     unroll_t: int,
     block_d: int,
     activation: str | None,
+    approx_tanh: bool,
 ):
     del cache_in_ref  # the same buffer as cache_ref
     dblk, i = pl.program_id(0), pl.program_id(1)
@@ -113,6 +139,73 @@ def _prefill_kernel(
         row = jnp.clip(row, 0, num_tokens - 1)
         return plgpu.load(x_ref.at[row, cols], mask=d_live & live, other=0.0).astype(jnp.float32)
 
+    def convolve_block(row0, block_end, seq_start, seq_end, slot, first, b):
+        """Rows [row0, block_end) of sequence ``b`` (live: ``slot >= 0``)."""
+        # The slot's last K-1 inputs (oldest first), read only by the sequence's first
+        # block and only with an initial state; zeros otherwise.
+        use_state = first & (has_state_ref[b] != 0)
+        history = [
+            plgpu.load(
+                cache_ref.at[slot, static_index(j), cols],
+                mask=d_live & use_state,
+                other=0.0,
+            ).astype(jnp.float32)
+            for j in range(width - 1)
+        ]
+        # The K-1 inputs before the block: its sequence's earlier tokens, or the history.
+        window = [x_row(row0 - (width - 1) + j, ~first) + history[j] for j in range(width - 1)]
+        weights = [
+            plgpu.load(w_ref.at[cols, static_index(k)], mask=d_live, other=0.0).astype(jnp.float32)
+            for k in range(width)
+        ]
+        bias = None
+        if bias_ref is not None:
+            bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
+
+        def load_rows(first_row):
+            return [x_row(first_row + r, first_row + r < block_end) for r in range(unroll_t)]
+
+        def rows_step(j, carry):
+            window, current = carry  # the K-1 inputs before this step's rows; its rows
+            step_row = row0 + j * unroll_t
+            # The next step's loads go out before this step's stores: a store may alias
+            # a later load as far as the compiler knows, so loads issued after stores
+            # would each wait for the one before. Past the block they are masked off.
+            upcoming = load_rows(step_row + unroll_t)
+            taps_all = window + current
+            for r in range(unroll_t):
+                row = step_row + r
+                taps = taps_all[r : r + width]
+                # Bias first, then one fused multiply-add per tap.
+                y = bias
+                for tap, w in zip(taps, weights, strict=True):
+                    y = tap * w if y is None else y + tap * w
+                y = _activate(y, activation, approx_tanh=approx_tanh)
+                plgpu.store(
+                    y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
+                    y.astype(y_ref.dtype),
+                    mask=d_live & (row < block_end),
+                )
+            return taps_all[len(taps_all) - (width - 1) :], upcoming
+
+        num_steps = pl.cdiv(block_end - row0, unroll_t)
+        jax.lax.fori_loop(0, num_steps, rows_step, (window, load_rows(row0)))
+
+        # New state: the last K-1 inputs of history ++ tokens.
+        @pl.when(first)
+        def _():
+            length = seq_end - seq_start
+            for j in range(width - 1):
+                t = length - (width - 1) + j  # position in the sequence, < 0: history
+                column = x_row(seq_start + t, t >= 0)
+                for h in range(width - 1):
+                    column = column + jnp.where(length + j == h, history[h], 0.0)
+                plgpu.store(
+                    cache_ref.at[slot, static_index(j), cols],
+                    column.astype(cache_ref.dtype),
+                    mask=d_live,
+                )
+
     @pl.when(i < num_blocks)
     def _block():
         b = block_seq_ref[i]
@@ -123,72 +216,21 @@ def _prefill_kernel(
             seq_start, seq_end = qsl_ref[b], qsl_ref[b + 1]
             slot = slot_ref[b]
             first = row0 == seq_start
-            # The slot's last K-1 inputs (oldest first), read only by the sequence's first
-            # block and only with an initial state; zeros otherwise.
-            use_state = first & (has_state_ref[b] != 0) & (slot >= 0)
-            history = [
-                plgpu.load(
-                    cache_ref.at[jnp.maximum(slot, 0), static_index(j), cols],
-                    mask=d_live & use_state,
-                    other=0.0,
-                ).astype(jnp.float32)
-                for j in range(width - 1)
-            ]
-            # The K-1 inputs before the block: its sequence's earlier tokens, or the history.
-            window = [x_row(row0 - (width - 1) + j, ~first) + history[j] for j in range(width - 1)]
-            weights = [
-                plgpu.load(w_ref.at[cols, static_index(k)], mask=d_live, other=0.0).astype(
-                    jnp.float32
-                )
-                for k in range(width)
-            ]
-            bias = None
-            if bias_ref is not None:
-                bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
             block_end = jnp.minimum(row0 + block_t, seq_end)
 
-            def load_rows(first_row):
-                return [x_row(first_row + r, first_row + r < block_end) for r in range(unroll_t)]
-
-            def rows_step(j, carry):
-                window, current = carry  # the K-1 inputs before this step's rows; its rows
-                step_row = row0 + j * unroll_t
-                # The next step's loads go out before this step's stores: a store may alias
-                # a later load as far as the compiler knows, so loads issued after stores
-                # would each wait for the one before. Past the block they are masked off.
-                upcoming = load_rows(step_row + unroll_t)
-                taps_all = window + current
-                for r in range(unroll_t):
-                    row = step_row + r
-                    taps = taps_all[r : r + width]
-                    y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
-                    if bias is not None:
-                        y = y + bias
-                    y = jnp.where(slot >= 0, _activate(y, activation), 0.0)
-                    plgpu.store(
-                        y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
-                        y.astype(y_ref.dtype),
-                        mask=d_live & (row < block_end),
-                    )
-                return taps_all[len(taps_all) - (width - 1) :], upcoming
-
-            num_steps = pl.cdiv(block_end - row0, unroll_t)
-            jax.lax.fori_loop(0, num_steps, rows_step, (window, load_rows(row0)))
-
-            # New state: the last K-1 inputs of history ++ tokens.
-            @pl.when(first & (slot >= 0))
+            # A padding sequence (slot -1) reads nothing and writes zero rows.
+            @pl.when(slot < 0)
             def _():
-                length = seq_end - seq_start
-                for j in range(width - 1):
-                    t = length - (width - 1) + j  # position in the sequence, < 0: history
-                    column = x_row(seq_start + t, t >= 0)
-                    for h in range(width - 1):
-                        column = column + jnp.where(length + j == h, history[h], 0.0)
-                    plgpu.store(
-                        cache_ref.at[slot, static_index(j), cols],
-                        column.astype(cache_ref.dtype),
-                        mask=d_live,
-                    )
+                rows = row0 + jnp.arange(block_t)
+                plgpu.store(
+                    y_ref.at[pl.ds(row0, block_t), cols],
+                    jnp.zeros((block_t, block_d), y_ref.dtype),
+                    mask=(rows < block_end)[:, None] & d_live[None, :],
+                )
+
+            @pl.when(slot >= 0)
+            def _():
+                convolve_block(row0, block_end, seq_start, seq_end, slot, first, b)
 
     # Programs past the table zero the bucket rows no sequence owns: [qsl[-1], T).
     @pl.when(i >= num_blocks)
@@ -245,7 +287,7 @@ def causal_conv1d(
         block_seq,
         block_row,
         query_start_loc,
-        slot_ids,
+        checked_slots(slot_ids, conv_state_cache.shape[0]),
         has_initial_state.astype(jnp.int32),
         x,
         weight,
@@ -261,6 +303,7 @@ def causal_conv1d(
             unroll_t=unroll_t,
             block_d=block_d,
             activation=activation,
+            approx_tanh=_approx_tanh(x.dtype, interpret),
         ),
         # Channel blocks vary fastest: programs in flight together read whole rows.
         grid=(pl.cdiv(dim, block_d), num_blocks + _TAIL_PROGRAMS),
@@ -290,6 +333,7 @@ def _update_kernel(
     width: int,
     block_d: int,
     activation: str | None,
+    approx_tanh: bool,
 ):
     del cache_in_ref  # the same buffer as cache_ref
     r, dblk = pl.program_id(0), pl.program_id(1)
@@ -327,7 +371,7 @@ def _update_kernel(
                 y = y + bias
             plgpu.store(
                 y_ref.at[r, l, pl.ds(d0, block_d)],
-                _activate(y, activation).astype(y_ref.dtype),
+                _activate(y, activation, approx_tanh=approx_tanh).astype(y_ref.dtype),
                 mask=d_live,
             )
             return taps[1:]
@@ -366,10 +410,16 @@ def causal_conv1d_update(
     width = weight.shape[1]
     blocks = block_sizes or default_update_block_sizes(dim)
     block_d = blocks.block_d
-    args = (slot_ids, x, weight, bias, conv_state_cache)
+    args = (checked_slots(slot_ids, conv_state_cache.shape[0]), x, weight, bias, conv_state_cache)
     cache_index = sum(a is not None for a in args) - 1
     return pl.pallas_call(
-        functools.partial(_update_kernel, width=width, block_d=block_d, activation=activation),
+        functools.partial(
+            _update_kernel,
+            width=width,
+            block_d=block_d,
+            activation=activation,
+            approx_tanh=_approx_tanh(x.dtype, interpret),
+        ),
         grid=(rows, pl.cdiv(dim, block_d)),
         out_shape=(
             jax.ShapeDtypeStruct(x.shape, x.dtype),
