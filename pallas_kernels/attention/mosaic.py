@@ -30,9 +30,9 @@ consumer owns (a ladder of power-of-two row counts; TMA boxes are static), so no
 writes another sequence's rows. Rows no live sequence owns are written as zeros.
 
 Covers bf16/fp16 queries and caches of the same dtype, head dims 64 and 128, any GQA
-group, and token counts and cache lengths that are multiples of 8. Other cases, and decode-shaped
-batches (bandwidth-bound: the Triton flash-decoding kernels), go to the Triton kernels
-(:func:`supports`).
+group, and token counts and cache lengths that are multiples of 8. Other cases, and
+decode-shaped batches (bandwidth-bound: the Triton flash-decoding kernels), go to the
+Triton kernels (:func:`supports`).
 """
 
 from __future__ import annotations

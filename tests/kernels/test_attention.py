@@ -1050,6 +1050,25 @@ def test_mosaic_head_group_divides_heads_and_fills_the_gpu(num_q_heads, group, n
         assert num_q_heads % fewer or fewer * num_items < waves * num_sms
 
 
+def test_mosaic_head_group_must_divide_heads():
+    T, L, Hq, D = 64, 64, 6, 64
+    q = jnp.zeros((T, Hq, D), jnp.bfloat16)
+    cache = jnp.zeros((1, L, 2, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_group=4 must divide num_q_heads=6"):
+        attention_mosaic.prefill_attention(
+            q,
+            cache,
+            cache,
+            query_start_loc=jnp.asarray([0, T], jnp.int32),
+            kv_lens=jnp.asarray([T], jnp.int32),
+            slot_ids=jnp.asarray([0], jnp.int32),
+            causal=True,
+            sm_scale=D**-0.5,
+            sliding_window=None,
+            block_sizes=attention_mosaic.BlockSizes(head_group=4),
+        )
+
+
 def _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads, case=MOSAIC_CASE):
     return case_batch(
         rng,

@@ -714,7 +714,8 @@ def test_update_real_size(impl, steps):
 @pytest.mark.parametrize("width", [2, 3, 4])
 @pytest.mark.parametrize("dim", [64, 2064])
 def test_triton_kernels_lower_for_cuda(width, dim):
-    """The Triton kernels lower for CUDA (interpret mode does not enforce Triton's rules)."""
+    """The Triton kernels lower for CUDA (interpret mode does not enforce Triton's rules),
+    bf16 SiLU on the hardware tanh included (inline PTX, which interpret mode skips)."""
     T, B, S = 256, 3, 4
 
     def prefill(x, w, b, qsl, cache, slots, has_state):
@@ -742,7 +743,9 @@ def test_triton_kernels_lower_for_cuda(width, dim):
     assert "causal_conv1d_k" in text
 
     def update(x, cache, w, slots):
-        return conv_triton.causal_conv1d_update(x, cache, w, None, slot_ids=slots, activation=None)
+        return conv_triton.causal_conv1d_update(
+            x, cache, w, None, slot_ids=slots, activation="silu"
+        )
 
     text = lower_for_cuda(
         update,
