@@ -741,6 +741,7 @@ def test_triton_kernels_lower_for_cuda(width, dim):
         spec((B,), jnp.bool_),
     )
     assert "causal_conv1d_k" in text
+    assert "tanh.approx" in text  # bf16 output: the hardware-tanh SiLU
 
     def update(x, cache, w, slots):
         return conv_triton.causal_conv1d_update(
@@ -755,3 +756,4 @@ def test_triton_kernels_lower_for_cuda(width, dim):
         spec((B,), jnp.int32),
     )
     assert "causal_conv1d_update_k" in text
+    assert "tanh.approx" in text  # x (so y) is bf16; the fp32 cache does not matter
