@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels as pk
 from flax_models.batch import ForwardBatch, make_forward_batch
 from flax_models.cache import LayerCache, init_cache
 from flax_models.config import HybridConfig
 from flax_models.layers import MLP, Attention, Mamba2Mixer, RMSNorm
+from flax_models.layers.linear import linear_kwargs
 
 
 class Block(nnx.Module):
@@ -81,10 +83,7 @@ class HybridLM(nnx.Module):
             else nnx.Linear(
                 cfg.hidden_size,
                 cfg.vocab_size,
-                use_bias=False,
-                dtype=dtype,
-                param_dtype=dtype,
-                rngs=rngs,
+                **linear_kwargs(use_bias=False, dtype=dtype, rngs=rngs),
             )
         )
 
@@ -107,7 +106,11 @@ class HybridLM(nnx.Module):
         if logits_rows is not None:
             h = h[logits_rows]
         h = self.final_norm(h)
-        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        if self.lm_head is None:  # tied: the embedding table is the head
+            table = self.embed.embedding[...]
+            logits = jnp.dot(h, table.T, precision=pk.matmul_precision(table.dtype))
+        else:
+            logits = self.lm_head(h)
         return logits.astype(jnp.float32) / self.cfg.logits_scaling, tuple(new_caches)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:

@@ -5,6 +5,7 @@ G groups, P head dim, N state size, K conv width, L cache length, D attention he
 Every op takes ``implementation="auto" | "xla" | "triton" | "mosaic"``.
 """
 
+from pallas_kernels._common import matmul_precision
 from pallas_kernels.attention import kv_lens_from_mask, masked_tail_attention, write_kv
 from pallas_kernels.backend import Implementation
 from pallas_kernels.conv1d import causal_conv1d, causal_conv1d_update
@@ -31,6 +32,7 @@ __all__ = [
     "gated_rms_norm",
     "kv_lens_from_mask",
     "masked_tail_attention",
+    "matmul_precision",
     "max_chunks_for",
     "pad_to_bucket",
     "selective_state_update",

@@ -10,6 +10,7 @@ import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import AttentionCache
 from flax_models.config import HybridConfig
+from flax_models.layers.linear import linear_kwargs
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
@@ -30,7 +31,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: HybridConfig, *, dtype: jnp.dtype, implementation: str, rngs: nnx.Rngs):
         self.cfg = cfg
         self.implementation = implementation
-        linear = dict(use_bias=cfg.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        linear = linear_kwargs(use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         D = cfg.head_dim
         self.q_proj = nnx.Linear(cfg.hidden_size, cfg.num_heads * D, **linear)
         self.k_proj = nnx.Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)

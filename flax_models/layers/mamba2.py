@@ -10,6 +10,7 @@ import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
+from flax_models.layers.linear import linear_kwargs
 
 
 class Mamba2Mixer(nnx.Module):
@@ -22,7 +23,7 @@ class Mamba2Mixer(nnx.Module):
         self.cfg = cfg
         self.implementation = implementation
         H, K = cfg.mamba_num_heads, cfg.mamba_conv_kernel
-        linear = dict(use_bias=cfg.mamba_proj_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        linear = linear_kwargs(use_bias=cfg.mamba_proj_bias, dtype=dtype, rngs=rngs)
         self.in_proj = nnx.Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear)
         self.conv_weight = nnx.Param(
             jax.random.normal(rngs.params(), (cfg.mamba_conv_dim, K), dtype) * K**-0.5

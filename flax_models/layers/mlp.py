@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_models.config import HybridConfig
+from flax_models.layers.linear import linear_kwargs
 
 
 class MLP(nnx.Module):
@@ -14,7 +15,7 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: HybridConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.activation = cfg.mlp_activation
-        linear = dict(use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        linear = linear_kwargs(use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         if self.activation == "silu":
             self.gate = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
         self.up = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **linear)
