@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from typing import Final
+
 import jax
 import jax.numpy as jnp
+
+LOG2E: Final = math.log2(math.e)  # e^v = 2^(v log2 e): kernels use the cheaper exp2
 
 
 def process_dt(

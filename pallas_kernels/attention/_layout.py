@@ -14,15 +14,14 @@ bucket padding)::
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Final
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import LOG2E
 from pallas_kernels.metadata import sequence_block_table
 
-LOG2E: Final = math.log2(math.e)
 # The mask reaches the kernels as data, a band of positions: a query at ``pos`` sees keys
 # ``pos - left < j <= pos + right`` (and ``j < kv_len``); causal is ``right = 0``, a
 # sliding window is ``left = W``, and NO_WINDOW (longer than any position) leaves a side

@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import checked_slots
+from pallas_kernels._common import LOG2E, checked_slots
 from pallas_kernels._pallas import block_dim, for_each_tail_block, static_index
 from pallas_kernels.metadata import sequence_block_table
 
 # Programs per channel block that zero the bucket rows past the sequences.
 _TAIL_PROGRAMS = 8
-_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +91,7 @@ def _activate(y: jax.Array, activation: str | None, *, approx_tanh: bool) -> jax
     if approx_tanh:
         half = 0.5 * y
         return half + half * plgpu.approx_tanh(half)
-    return y / (1.0 + jnp.exp2(y * -_LOG2E))
+    return y / (1.0 + jnp.exp2(y * -LOG2E))
 
 
 def _approx_tanh(dtype, interpret: bool) -> bool:
@@ -138,6 +136,15 @@ def _prefill_kernel(
         masked row never forms an address outside x."""
         row = jnp.clip(row, 0, num_tokens - 1)
         return plgpu.load(x_ref.at[row, cols], mask=d_live & live, other=0.0).astype(jnp.float32)
+
+    def zero_rows(row0, end):
+        """Zeros into rows [row0, min(row0 + block_t, end)) of y."""
+        rows = row0 + jnp.arange(block_t)
+        plgpu.store(
+            y_ref.at[pl.ds(row0, block_t), cols],
+            jnp.zeros((block_t, block_d), y_ref.dtype),
+            mask=(rows < end)[:, None] & d_live[None, :],
+        )
 
     def convolve_block(row0, block_end, seq_start, seq_end, slot, first, b):
         """Rows [row0, block_end) of sequence ``b`` (live: ``slot >= 0``)."""
@@ -219,14 +226,7 @@ def _prefill_kernel(
             block_end = jnp.minimum(row0 + block_t, seq_end)
 
             # A padding sequence (slot -1) reads nothing and writes zero rows.
-            @pl.when(slot < 0)
-            def _():
-                rows = row0 + jnp.arange(block_t)
-                plgpu.store(
-                    y_ref.at[pl.ds(row0, block_t), cols],
-                    jnp.zeros((block_t, block_d), y_ref.dtype),
-                    mask=(rows < block_end)[:, None] & d_live[None, :],
-                )
+            pl.when(slot < 0)(lambda: zero_rows(row0, block_end))
 
             @pl.when(slot >= 0)
             def _():
@@ -235,16 +235,8 @@ def _prefill_kernel(
     # Programs past the table zero the bucket rows no sequence owns: [qsl[-1], T).
     @pl.when(i >= num_blocks)
     def _tail():
-        def zero(row0):
-            rows = row0 + jnp.arange(block_t)
-            plgpu.store(
-                y_ref.at[pl.ds(row0, block_t), cols],
-                jnp.zeros((block_t, block_d), y_ref.dtype),
-                mask=(rows < num_tokens)[:, None] & d_live[None, :],
-            )
-
         for_each_tail_block(
-            zero,
+            lambda row0: zero_rows(row0, num_tokens),
             total=qsl_ref[qsl_ref.shape[0] - 1],
             num_rows=num_tokens,
             block=block_t,
