@@ -77,3 +77,60 @@ def validate_slot_ids(slot_ids: jax.Array, num_slots: int) -> np.ndarray:
     if len(np.unique(named)) != len(named):
         raise ValueError(f"slot_ids must name each cache slot at most once, got {slots.tolist()}")
     return slots
+
+
+def check_ssm_inputs(
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    *,
+    D: jax.Array | None,
+    z: jax.Array | None,
+    dt_bias: jax.Array | None,
+    dt_limit: tuple[float, float],
+    rows: str,
+) -> tuple[float, float]:
+    """Checks of the Mamba2 SSM arguments shared by ``ssd_scan`` and
+    ``selective_state_update``: ``x[R, H, P]``, ``dt[R, H]``, ``A[H]``, ``B``/``C[R, G, N]``
+    with ``G`` dividing ``H``, ``D[H]`` or ``[H, P]``, ``z[R, H, P]``, ``dt_bias[H]``.
+
+    ``rows`` names the leading axis in messages (``"T"``, ``"Bd"``). Returns ``dt_limit``
+    as floats with ``lo <= hi``.
+    """
+    for name, a in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+        check_floating(name, a)
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape [{rows}, H, P], got {x.shape}")
+    R, H, P = x.shape
+    if B.ndim != 3:
+        raise ValueError(f"B must have shape [{rows}, G, N], got {B.shape}")
+    G, N = B.shape[1:]
+    if G < 1 or H % G:
+        raise ValueError(f"number of groups G={G} (B.shape[1]) must divide H={H}")
+    check_shape("dt", dt, (R, H), f"[{rows}, H]")
+    check_shape("A", A, (H,), "[H]")
+    check_shape("B", B, (R, G, N), f"[{rows}, G, N]")
+    check_shape("C", C, (R, G, N), f"[{rows}, G, N]")
+    if D is not None and D.shape not in ((H,), (H, P)):
+        raise ValueError(f"D must have shape [H] = ({H},) or [H, P] = ({H}, {P}), got {D.shape}")
+    if z is not None:
+        check_shape("z", z, (R, H, P), f"[{rows}, H, P]")
+    if dt_bias is not None:
+        check_shape("dt_bias", dt_bias, (H,), "[H]")
+    lo, hi = (float(b) for b in dt_limit)
+    if not lo <= hi:
+        raise ValueError(f"dt_limit={dt_limit} must satisfy lo <= hi")
+    return lo, hi
+
+
+def check_slot_ids(slot_ids: jax.Array, rows: int, num_slots: int, letters: str) -> jax.Array:
+    """The one place slot ids are checked: an integer ``slot_ids[rows]``, returned as int32
+    with every id outside ``[0, num_slots)`` mapped to -1, so padding (``-1``) and bad data
+    (``>= S``, ``< -1``) are the same thing to every backend: nothing read or written, zero
+    outputs."""
+    check_integer("slot_ids", slot_ids)
+    check_shape("slot_ids", slot_ids, (rows,), letters)
+    slot_ids = slot_ids.astype(jnp.int32)
+    return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1)

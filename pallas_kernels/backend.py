@@ -1,42 +1,44 @@
-"""Choice of implementation for every op: ``"auto" | "xla" | "triton" | "mosaic"``.
+"""Backends and dispatch: how every op chooses what runs a call.
+
+Each op (``ssd_scan``, ``causal_conv1d``, …) is an :class:`Op`: its validated call
+(:class:`Call`) and its backends in order of preference. A :class:`Backend` describes one
+implementation completely: the function, its block-size config type, the heuristic that
+picks a config for a call, and a ``supports`` predicate that says why it cannot serve one.
 
 * ``xla``: the pure ``jax.numpy`` reference of each op (``<op>/reference.py``). Runs anywhere.
 * ``triton``: Pallas kernels lowered through Triton. Compiled on a CUDA GPU; on any other
   platform the same kernels run with ``interpret=True`` (how CI checks their numerics).
 * ``mosaic``: Pallas Mosaic GPU kernels (wgmma, TMA); Hopper (sm90) or newer only.
-* ``auto``: ``mosaic`` where the op has it and the device supports it, else ``triton`` on a
-  GPU, else ``xla``.
 
-Each op registers the backends it has; asking for one it lacks, or one the device cannot
-run, raises ``ValueError`` (the caller's request cannot be met), never a silent fallback.
+``implementation="auto"`` takes the first backend, in the op's order, that the device runs
+(``triton`` and ``mosaic`` only on a GPU) and that supports the call. An explicit name
+that cannot serve the call raises ``ValueError`` saying why: there is no silent hand-off.
+A sequence of names (``("mosaic", "triton")``) takes the first of them that serves the call,
+which is how a model asks for "the best kernel of this family" per op.
+
+``config=`` is the chosen backend's block sizes: it must be an instance of that backend's
+config type and is checked against the call, never rewritten. Without it the backend's
+default heuristic picks one. :func:`backend_for` tells which backend a call would run.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, get_args
 
 import jax
 
 Implementation = Literal["auto", "xla", "triton", "mosaic"]
 IMPLEMENTATIONS: Final[tuple[str, ...]] = get_args(Implementation)
+BACKEND_NAMES: Final[tuple[str, ...]] = ("xla", "triton", "mosaic")
 
 # Mosaic GPU kernels use wgmma and TMA: Hopper (compute capability 9.0) or newer.
 _MOSAIC_MIN_COMPUTE_CAPABILITY: Final = (9, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """A resolved implementation.
-
-    Attributes:
-      name: ``"xla"``, ``"triton"`` or ``"mosaic"``.
-      interpret: run Pallas kernels in interpret mode (no GPU present).
-    """
-
-    name: str
-    interpret: bool = False
+# Streaming multiprocessors assumed when no GPU is attached (H100 SXM): tiling heuristics
+# then pick what they would pick on the GPU CI's kernels are checked for.
+_DEFAULT_NUM_SMS: Final = 132
 
 
 def _default_device() -> jax.Device:
@@ -47,6 +49,14 @@ def on_gpu(device: jax.Device | None = None) -> bool:
     """Whether ``device`` (default: JAX's first device) is a CUDA GPU."""
     device = device or _default_device()
     return device.platform == "gpu"
+
+
+def device_num_sms(device: jax.Device | None = None) -> int:
+    """Streaming multiprocessors of ``device`` (an H100's 132 off-GPU)."""
+    device = device or _default_device()
+    if on_gpu(device):
+        return int(getattr(device, "core_count", _DEFAULT_NUM_SMS))
+    return _DEFAULT_NUM_SMS
 
 
 def supports_mosaic(device: jax.Device | None = None) -> bool:
@@ -61,60 +71,200 @@ def supports_mosaic(device: jax.Device | None = None) -> bool:
     return (major, minor) >= _MOSAIC_MIN_COMPUTE_CAPABILITY
 
 
-def resolve(
-    implementation: str,
-    *,
-    op: str,
-    available: Collection[str],
-    device: jax.Device | None = None,
-) -> Backend:
-    """Resolves ``implementation`` for ``op`` given the backends that op has.
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One validated call of an op: what every backend of the op receives.
 
-    Args:
-      implementation: one of ``IMPLEMENTATIONS``.
-      op: the op's name, for error messages.
-      available: the backends the op implements (a subset of ``xla, triton, mosaic``).
-      device: the device to run on; JAX's first device by default.
-
-    Raises:
-      ValueError: unknown name, a backend the op lacks, or ``mosaic`` on a device
-        older than Hopper.
+    Attributes:
+      args: positional arguments (arrays).
+      kwargs: keyword arguments (arrays and static Python values).
+      empty: the op's result when the call has nothing to compute (no tokens); no backend
+        runs then.
+      finish: maps the backend's result to the op's (e.g. drops an axis the api added).
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
-    device = device or _default_device()
-    gpu = on_gpu(device)
-    if implementation == "auto":
-        if "mosaic" in available and supports_mosaic(device):
-            return Backend("mosaic")
-        if "triton" in available and gpu:
-            return Backend("triton")
-        return Backend("xla")
-    if implementation not in available:
-        raise ValueError(
-            f"implementation={implementation!r} is not available for {op}; "
-            f"it has {sorted(available)}"
-        )
-    if implementation == "mosaic" and not supports_mosaic(device):
-        raise ValueError(
-            f"implementation='mosaic' for {op} needs a Hopper (sm90) or newer GPU; "
-            f"the device is {device.device_kind!r}"
-        )
-    return Backend(implementation, interpret=implementation == "triton" and not gpu)
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    empty: Callable[[], Any] | None = None
+    finish: Callable[[Any], Any] | None = None
 
 
-def dispatch(
-    implementations: Mapping[str, Callable[..., Any]],
-    implementation: str,
-    *args: Any,
-    op: str,
-    **kwargs: Any,
-) -> Any:
-    """Resolves ``implementation`` among an op's ``implementations`` and calls it.
+def _always(*args: Any, **kwargs: Any) -> str | None:
+    del args, kwargs
+    return None
 
-    Triton-lowered Pallas implementations also receive ``interpret=`` (True off-GPU).
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of an op.
+
+    Attributes:
+      name: ``"xla"``, ``"triton"`` or ``"mosaic"``.
+      fn: ``fn(*call.args, **call.kwargs, config=..., interpret=...)``; ``config`` is passed
+        when ``config_type`` is set, ``interpret`` to ``triton`` backends.
+      config_type: the block-size dataclass this backend takes (None: it takes none).
+      default_config: ``default_config(*args, **kwargs) -> config_type``, the heuristic
+        used when the caller passes no config.
+      supports: ``supports(*args, **kwargs) -> str | None``: why this backend cannot serve
+        the call (None: it can). Static facts only (shapes, dtypes, static arguments).
+      check_config: ``check_config(config, *args, **kwargs)`` raises ``ValueError`` when a
+        config cannot serve the call (its own fields are checked by the config type).
     """
-    backend = resolve(implementation, op=op, available=implementations)
-    if backend.name == "triton":
-        kwargs["interpret"] = backend.interpret
-    return implementations[backend.name](*args, **kwargs)
+
+    name: str
+    fn: Callable[..., Any]
+    config_type: type | None = None
+    default_config: Callable[..., Any] | None = None
+    supports: Callable[..., str | None] = _always
+    check_config: Callable[..., None] | None = None
+
+    def __post_init__(self):
+        if self.name not in BACKEND_NAMES:
+            raise ValueError(f"backend name {self.name!r} must be one of {BACKEND_NAMES}")
+        if (self.config_type is None) != (self.default_config is None):
+            raise ValueError(f"{self.name}: config_type and default_config go together")
+
+    def device_reason(self, device: jax.Device, *, auto: bool) -> str | None:
+        """Why ``device`` cannot run this backend (``auto``: whether ``auto`` would pick it
+        there; Triton kernels interpret off-GPU only when asked for by name)."""
+        if self.name == "mosaic" and not supports_mosaic(device):
+            return f"Mosaic GPU kernels need a Hopper (sm90) or newer GPU, not {device.device_kind!r}"
+        if self.name == "triton" and auto and not on_gpu(device):
+            return "auto runs Triton kernels on a GPU only"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The backend chosen for a call, and how it runs."""
+
+    backend: Backend
+    interpret: bool
+
+
+class _Probe(Exception):
+    """Raised by :meth:`Op.run` under :func:`backend_for`: carries the selection out."""
+
+    def __init__(self, selection: Selection):
+        super().__init__(selection.backend.name)
+        self.selection = selection
+
+
+_PROBING: contextvars.ContextVar[bool] = contextvars.ContextVar("_PROBING", default=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """An op's backends in ``auto``'s order of preference."""
+
+    name: str
+    backends: tuple[Backend, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.backends)
+
+    def backend(self, name: str) -> Backend:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise ValueError(
+            f"implementation={name!r} is not available for {self.name}; it has {list(self.names)}"
+        )
+
+    def select(
+        self,
+        call: Call,
+        implementation: str | Sequence[str] = "auto",
+        config: Any = None,
+        device: jax.Device | None = None,
+    ) -> Selection:
+        """The backend that runs ``call``; ``ValueError`` when none of those asked for can."""
+        device = device or _default_device()
+        if isinstance(implementation, str):
+            if implementation not in IMPLEMENTATIONS:
+                raise ValueError(
+                    f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}"
+                )
+            auto = implementation == "auto"
+            candidates = self.backends if auto else (self.backend(implementation),)
+        else:
+            auto = False
+            names = tuple(implementation)
+            if not names or any(n not in BACKEND_NAMES for n in names):
+                raise ValueError(
+                    f"implementation={implementation!r}: a sequence must name backends of "
+                    f"{BACKEND_NAMES}"
+                )
+            candidates = tuple(self.backend(n) for n in names if n in self.names)
+            if not candidates:
+                raise ValueError(
+                    f"implementation={names!r}: {self.name} has none of them ({list(self.names)})"
+                )
+        reasons = []
+        for backend in candidates:
+            reason = backend.device_reason(device, auto=auto)
+            if reason is None and config is not None and not isinstance(
+                config, backend.config_type or ()
+            ):
+                reason = (
+                    f"config of type {type(config).__name__} is not this backend's "
+                    f"({'none' if backend.config_type is None else backend.config_type.__name__})"
+                )
+            if reason is None:
+                reason = backend.supports(*call.args, **call.kwargs)
+            if reason is None:
+                return Selection(backend, interpret=backend.name == "triton" and not on_gpu(device))
+            reasons.append(f"{backend.name}: {reason}")
+        raise ValueError(
+            f"{self.name}: implementation={implementation!r} cannot serve this call ("
+            + "; ".join(reasons)
+            + ")"
+        )
+
+    def run(
+        self,
+        call: Call,
+        implementation: str | Sequence[str] = "auto",
+        config: Any = None,
+    ) -> Any:
+        """Selects the backend for ``call`` and runs it with a checked (or default) config."""
+        selection = self.select(call, implementation, config)
+        if _PROBING.get():
+            raise _Probe(selection)
+        if call.empty is not None:
+            return call.empty()
+        backend = selection.backend
+        extra: dict[str, Any] = {}
+        if backend.config_type is not None:
+            if config is None:
+                config = backend.default_config(*call.args, **call.kwargs)
+            elif backend.check_config is not None:
+                backend.check_config(config, *call.args, **call.kwargs)
+            extra["config"] = config
+        if backend.name == "triton":
+            extra["interpret"] = selection.interpret
+        out = backend.fn(*call.args, **call.kwargs, **extra)
+        return out if call.finish is None else call.finish(out)
+
+
+def backend_for(op: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """The name of the backend that ``op(*args, **kwargs)`` would run; nothing runs.
+
+    ``op`` is a public op (``pk.ssd_scan``, …); the arguments are the op's own, including
+    ``implementation=`` and ``config=``. Raises the ``ValueError`` the call would raise
+    when no backend asked for can serve it.
+
+    Example::
+
+        pk.backend_for(pk.masked_tail_attention, q, k_cache, v_cache, query_start_loc=qsl,
+                       kv_lens=kv_lens, slot_ids=slots)   # "mosaic" on an H200 prefill
+    """
+    token = _PROBING.set(True)
+    try:
+        op(*args, **kwargs)
+    except _Probe as probe:
+        return probe.selection.backend.name
+    finally:
+        _PROBING.reset(token)
+    raise TypeError(f"{getattr(op, '__name__', op)!r} is not an op that dispatches on backends")

@@ -49,12 +49,15 @@ class ChunkMetadata:
       seq_idx: int32[max_chunks], the sequence each chunk belongs to, ``-1`` for padding.
       last_chunk_indices: int32[B], each sequence's last chunk, ``-1`` without new tokens.
       num_chunks: int32[], number of real chunks.
+      chunk_size: the (static) chunk size the layout was built for; ``ssd_scan`` refuses
+        metadata built for another one.
     """
 
     cu_chunk_seqlens: jax.Array
     seq_idx: jax.Array
     last_chunk_indices: jax.Array
     num_chunks: jax.Array
+    chunk_size: int = dataclasses.field(metadata=dict(static=True), kw_only=True)
 
     @property
     def max_chunks(self) -> int:
@@ -132,7 +135,11 @@ def chunk_metadata(
     seq_idx = jnp.where(live, seq, -1).astype(jnp.int32)
     last_chunk_indices = jnp.where(chunks_per_seq > 0, chunk_end - 1, -1).astype(jnp.int32)
     return ChunkMetadata(
-        cu_chunk_seqlens, seq_idx, last_chunk_indices, num_chunks.astype(jnp.int32)
+        cu_chunk_seqlens,
+        seq_idx,
+        last_chunk_indices,
+        num_chunks.astype(jnp.int32),
+        chunk_size=cs,
     )
 
 

@@ -8,14 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.backend import supports_mosaic
+from pallas_kernels.backend import Op, supports_mosaic
 
 
-def implementations(registry: Mapping[str, object]) -> list[str]:
-    """Backends of an op's registry this machine can run: Pallas Triton kernels run in
-    interpret mode off-GPU; Mosaic GPU kernels need a Hopper GPU. A new backend added to a
-    registry is tested automatically."""
-    return sorted(name for name in registry if name != "mosaic" or supports_mosaic())
+def implementations(op: Op) -> list[str]:
+    """Backends of an op this machine can run: Pallas Triton kernels run in interpret mode
+    off-GPU; Mosaic GPU kernels need a Hopper GPU. A new backend added to an op is tested
+    automatically."""
+    return sorted(name for name in op.names if name != "mosaic" or supports_mosaic())
 
 
 def query_start_loc(lengths: Sequence[int]) -> np.ndarray:

@@ -13,26 +13,49 @@ bottom-right alignment, as FlashAttention's varlen causal mask)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.attention import kv_cache, mosaic, reference, triton
-from pallas_kernels.backend import Implementation, dispatch
+from pallas_kernels.backend import Backend, Call, Implementation, Op
 
-# Backend name -> implementation; Pallas backends take ``interpret=`` as well.
-ATTENTION_IMPLEMENTATIONS: dict[str, Callable] = {
-    "xla": reference.masked_tail_attention,
-    "triton": triton.masked_tail_attention,
-    "mosaic": mosaic.masked_tail_attention,
-}
-WRITE_KV_IMPLEMENTATIONS: dict[str, Callable] = {
-    "xla": kv_cache.write_kv,
-    "triton": triton.write_kv,
-}
+
+def _triton_default_config(q, k_cache, *_, **__) -> triton.BlockSizes:
+    return triton.default_block_sizes(
+        num_tokens=q.shape[0],
+        num_q_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        head_dim=q.shape[2],
+        cache_len=k_cache.shape[1],
+        dtype=q.dtype,
+    )
+
+
+MASKED_TAIL_ATTENTION = Op(
+    "masked_tail_attention",
+    (
+        Backend(
+            "mosaic",
+            mosaic.masked_tail_attention,
+            config_type=mosaic.BlockSizes,
+            default_config=lambda *_, **__: mosaic.BlockSizes(),
+            supports=mosaic.supports,
+            check_config=lambda config, q, *_, **__: mosaic.check_block_sizes(
+                config, num_q_heads=q.shape[1]
+            ),
+        ),
+        Backend(
+            "triton",
+            triton.masked_tail_attention,
+            config_type=triton.BlockSizes,
+            default_config=_triton_default_config,
+        ),
+        Backend("xla", reference.masked_tail_attention),
+    ),
+)
+WRITE_KV = Op("write_kv", (Backend("triton", triton.write_kv), Backend("xla", kv_cache.write_kv)))
 
 
 def _check_cache(k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int, int]:
@@ -43,12 +66,11 @@ def _check_cache(k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int,
     return k_cache.shape
 
 
-def _check_batch(query_start_loc: jax.Array, kv_lens: jax.Array, slot_ids: jax.Array) -> int:
-    for name, a in (
-        ("query_start_loc", query_start_loc),
-        ("kv_lens", kv_lens),
-        ("slot_ids", slot_ids),
-    ):
+def _check_batch(
+    query_start_loc: jax.Array, kv_lens: jax.Array, slot_ids: jax.Array, num_slots: int
+) -> jax.Array:
+    """Static checks of the batch description; returns the checked slot ids."""
+    for name, a in (("query_start_loc", query_start_loc), ("kv_lens", kv_lens)):
         checks.check_integer(name, a)
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
         raise ValueError(
@@ -56,8 +78,7 @@ def _check_batch(query_start_loc: jax.Array, kv_lens: jax.Array, slot_ids: jax.A
         )
     num_seqs = query_start_loc.shape[0] - 1
     checks.check_shape("kv_lens", kv_lens, (num_seqs,), "[B]")
-    checks.check_shape("slot_ids", slot_ids, (num_seqs,), "[B]")
-    return num_seqs
+    return checks.check_slot_ids(slot_ids, num_seqs, num_slots, "[B]")
 
 
 def _validate_batch(
@@ -93,6 +114,7 @@ def masked_tail_attention(
     sliding_window: int | None = None,
     validate: bool = False,
     implementation: Implementation = "auto",
+    config: mosaic.BlockSizes | triton.BlockSizes | None = None,
 ) -> jax.Array:
     """Attention of packed queries over a slot-indexed KV cache, skipping masked KV tails.
 
@@ -108,12 +130,18 @@ def masked_tail_attention(
       v_cache: v_cache[S, L, Hkv, D].
       query_start_loc: int32[B + 1].
       kv_lens: int32[B], valid keys per sequence including this step's tokens.
-      slot_ids: int32[B], cache slot per sequence, ``-1`` for padding sequences.
+      slot_ids: int32[B], cache slot per sequence; ``-1`` (or any id outside ``[0, S)``)
+        marks a padding sequence.
       causal: apply the causal mask (bottom-right aligned).
       sm_scale: logit scale, ``D ** -0.5`` by default.
       sliding_window: ``W`` keys visible per query (including itself), or None.
       validate: check ``query_start_loc``, ``kv_lens`` and ``slot_ids`` on the host.
-      implementation: "auto" | "xla" | "triton" | "mosaic".
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
+        to take the first that serves the call (see ``pallas_kernels.backend``). ``mosaic``
+        serves prefill batches in bf16/fp16 with head dim 64 or 128 and T, L multiples of
+        8 on Hopper; asked for by name on any other call it raises ``ValueError``.
+      config: the chosen backend's block sizes (``attention.mosaic.BlockSizes`` or
+        ``attention.triton.BlockSizes``).
 
     Returns:
       out[T, Hq, D] in ``q``'s dtype; rows with no visible key, of padding sequences or
@@ -129,25 +157,24 @@ def masked_tail_attention(
     T, Hq = q.shape[:2]
     if Hq % Hkv:
         raise ValueError(f"num_q_heads={Hq} must be divisible by num_kv_heads={Hkv}")
-    _check_batch(query_start_loc, kv_lens, slot_ids)
+    checked_slot_ids = _check_batch(query_start_loc, kv_lens, slot_ids, S)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{sliding_window=} must be None or >= 1")
     if validate:
         _validate_batch(query_start_loc, kv_lens, slot_ids, num_tokens=T, num_slots=S, cache_len=L)
-    return dispatch(
-        ATTENTION_IMPLEMENTATIONS,
-        implementation,
-        q,
-        k_cache,
-        v_cache,
-        op="masked_tail_attention",
-        query_start_loc=query_start_loc.astype(jnp.int32),
-        kv_lens=kv_lens.astype(jnp.int32),
-        slot_ids=slot_ids.astype(jnp.int32),
-        causal=bool(causal),
-        sm_scale=float(D**-0.5 if sm_scale is None else sm_scale),
-        sliding_window=None if sliding_window is None else int(sliding_window),
+    call = Call(
+        (q, k_cache, v_cache),
+        dict(
+            query_start_loc=query_start_loc.astype(jnp.int32),
+            kv_lens=kv_lens.astype(jnp.int32),
+            slot_ids=checked_slot_ids,
+            causal=bool(causal),
+            sm_scale=float(D**-0.5 if sm_scale is None else sm_scale),
+            sliding_window=None if sliding_window is None else int(sliding_window),
+        ),
+        empty=(lambda: q) if T == 0 else None,
     )
+    return MASKED_TAIL_ATTENTION.run(call, implementation, config)
 
 
 def write_kv(
@@ -161,6 +188,7 @@ def write_kv(
     slot_ids: jax.Array,
     validate: bool = False,
     implementation: Implementation = "auto",
+    config: None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes this step's keys/values into the caches.
 
@@ -173,9 +201,10 @@ def write_kv(
       k, v: [T, Hkv, D] this step's keys and values (packed like the queries).
       query_start_loc: int32[B + 1].
       kv_lens: int32[B], valid keys per sequence including this step's tokens.
-      slot_ids: int32[B].
+      slot_ids: int32[B]; ids outside ``[0, S)`` write nothing.
       validate: check the batch on the host.
-      implementation: "auto" | "xla" | "triton" | "mosaic".
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names.
+      config: no backend of ``write_kv`` takes block sizes; anything but None raises.
 
     Returns:
       ``(k_cache, v_cache)`` updated.
@@ -189,21 +218,19 @@ def write_kv(
     T = k.shape[0]
     checks.check_shape("k", k, (T, Hkv, D), "[T, Hkv, D]")
     checks.check_shape("v", v, (T, Hkv, D), "[T, Hkv, D]")
-    _check_batch(query_start_loc, kv_lens, slot_ids)
+    checked_slot_ids = _check_batch(query_start_loc, kv_lens, slot_ids, S)
     if validate:
         _validate_batch(query_start_loc, kv_lens, slot_ids, num_tokens=T, num_slots=S, cache_len=L)
-    return dispatch(
-        WRITE_KV_IMPLEMENTATIONS,
-        implementation,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        op="write_kv",
-        query_start_loc=query_start_loc.astype(jnp.int32),
-        kv_lens=kv_lens.astype(jnp.int32),
-        slot_ids=slot_ids.astype(jnp.int32),
+    call = Call(
+        (k_cache, v_cache, k, v),
+        dict(
+            query_start_loc=query_start_loc.astype(jnp.int32),
+            kv_lens=kv_lens.astype(jnp.int32),
+            slot_ids=checked_slot_ids,
+        ),
+        empty=(lambda: (k_cache, v_cache)) if T == 0 else None,
     )
+    return WRITE_KV.run(call, implementation, config)
 
 
 def kv_lens_from_mask(mask: jax.Array) -> jax.Array:

@@ -48,13 +48,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import checked_slots
-from pallas_kernels.attention import triton as attention_triton
 from pallas_kernels.attention._layout import (
     NO_WINDOW,
     band_operand,
     is_decode_shaped,
     scale_operand,
 )
+from pallas_kernels.backend import device_num_sms
 
 # Consumer warpgroups per thread block, each with ``block_q`` query rows.
 _CONSUMERS: Final = 2
@@ -119,17 +119,32 @@ def default_head_group(*, num_q_heads: int, group: int, num_items: int, num_sms:
     return num_q_heads
 
 
-def supports(q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> bool:
-    """Whether the Mosaic GPU prefill kernel takes this call (static: shapes and dtypes)."""
-    return (
-        q.dtype in (jnp.bfloat16, jnp.float16)
-        and k_cache.dtype == q.dtype
-        and q.shape[2] in _SUPPORTED_HEAD_DIMS
-        # TMA views the token and cache axes in tiles of 8 rows.
-        and q.shape[0] % _TMA_ROWS == 0
-        and k_cache.shape[1] % _TMA_ROWS == 0
-        and not is_decode_shaped(q.shape[0], query_start_loc.shape[0] - 1)
-    )
+def supports(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, query_start_loc: jax.Array, **_
+) -> str | None:
+    """Why the Mosaic GPU prefill kernel cannot take this call (None: it can). Static facts
+    only: shapes and dtypes."""
+    del v_cache  # the api checked it has k_cache's shape and dtype
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q is {q.dtype}; the wgmma kernel takes bf16 or fp16"
+    if k_cache.dtype != q.dtype:
+        return f"k_cache is {k_cache.dtype}, q is {q.dtype}; they must match"
+    if q.shape[2] not in _SUPPORTED_HEAD_DIMS:
+        return f"head dim {q.shape[2]} is not one of {_SUPPORTED_HEAD_DIMS}"
+    # TMA views the token and cache axes in tiles of 8 rows.
+    if q.shape[0] % _TMA_ROWS or k_cache.shape[1] % _TMA_ROWS:
+        return f"T={q.shape[0]} and L={k_cache.shape[1]} must be multiples of {_TMA_ROWS}"
+    if is_decode_shaped(q.shape[0], query_start_loc.shape[0] - 1):
+        return "decode-shaped batch (T <= B): the split-KV Triton kernel serves it"
+    return None
+
+
+def check_block_sizes(config: BlockSizes, *, num_q_heads: int) -> None:
+    """A ``head_group`` must divide the query heads."""
+    if config.head_group is not None and num_q_heads % config.head_group:
+        raise ValueError(
+            f"config.head_group={config.head_group} must divide num_q_heads={num_q_heads}"
+        )
 
 
 def plan(
@@ -456,7 +471,7 @@ def prefill_attention(
             num_q_heads=num_q_heads,
             group=group,
             num_items=item_plan.shape[0],
-            num_sms=attention_triton.device_num_sms(),
+            num_sms=device_num_sms(),
         )
     elif num_q_heads % b.head_group:
         raise ValueError(f"head_group={b.head_group} must divide num_q_heads={num_q_heads}")
@@ -496,26 +511,11 @@ def masked_tail_attention(
     causal: bool,
     sm_scale: float,
     sliding_window: int | None,
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
 ) -> jax.Array:
-    """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated.
-
-    Prefill batches that :func:`supports` takes (bf16/fp16, head dim 64 or 128, T and L
-    multiples of 8) run the Mosaic GPU kernel; the rest (decode-shaped batches, fp32,
-    other head dims, unaligned T or L) the Triton kernels.
-    """
-    if not supports(q, k_cache, query_start_loc):
-        return attention_triton.masked_tail_attention(
-            q,
-            k_cache,
-            v_cache,
-            query_start_loc=query_start_loc,
-            kv_lens=kv_lens,
-            slot_ids=slot_ids,
-            causal=causal,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-        )
+    """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated and
+    :func:`supports` takes the call (prefill batches: bf16/fp16, head dim 64 or 128, T and L
+    multiples of 8)."""
     return _attention(
         q,
         k_cache,
@@ -526,11 +526,11 @@ def masked_tail_attention(
         jnp.asarray(causal),
         jnp.asarray(sm_scale, jnp.float32),
         jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32),
-        block_sizes=block_sizes or BlockSizes(),
+        config=config,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _attention(
     q,
     k_cache,
@@ -542,7 +542,7 @@ def _attention(
     sm_scale,
     window,
     *,
-    block_sizes,
+    config,
 ):
     return prefill_attention(
         q,
@@ -554,5 +554,5 @@ def _attention(
         causal=causal,
         sm_scale=sm_scale,
         sliding_window=window,
-        block_sizes=block_sizes,
+        block_sizes=config,
     )

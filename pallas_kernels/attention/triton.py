@@ -73,6 +73,7 @@ from pallas_kernels.attention._layout import (
     scale_operand,
     token_layout,
 )
+from pallas_kernels.backend import device_num_sms
 
 # Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
 # then has max = finfo.min and exp2(logit - max) stays finite, where -inf - (-inf) would be
@@ -80,8 +81,6 @@ from pallas_kernels.attention._layout import (
 # l = 0 and acc = 0, and the final acc / max(l, tiny) is an exact 0.
 _MASK_VALUE: Final = float(jnp.finfo(jnp.float32).min)
 _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
-# Streaming multiprocessors assumed when no GPU is attached (H100 SXM); see device_num_sms().
-_DEFAULT_NUM_SMS: Final = 132
 # Bytes of one K (or V) tile in shared memory (64 keys at D=128 bf16) and of the Q tile
 # (128 rows at D=128 bf16): with three pipeline stages of K and V, Q takes
 # 32 + 3 * 2 * 16 = 128 KiB of the 227 KiB an H100/H200 block may use.
@@ -692,7 +691,7 @@ def masked_tail_attention(
     causal: bool,
     sm_scale: float,
     sliding_window: int | None,
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> jax.Array:
     """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated.
@@ -711,12 +710,12 @@ def masked_tail_attention(
         jnp.asarray(causal),
         jnp.asarray(sm_scale, jnp.float32),
         jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32),
-        block_sizes=block_sizes,
+        config=config,
         interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _attention(
     q,
     k_cache,
@@ -728,20 +727,12 @@ def _attention(
     sm_scale,
     window,
     *,
-    block_sizes,
+    config,
     interpret,
 ):
     """``masked_tail_attention`` with ``causal``, ``sm_scale`` and the window as scalar
     arrays."""
     s = _shapes(q, k_cache, query_start_loc)
-    blocks = block_sizes or default_block_sizes(
-        num_tokens=s.num_tokens,
-        num_q_heads=s.num_q_heads,
-        num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        cache_len=s.cache_len,
-        dtype=q.dtype,
-    )
     kernel = decode_attention if is_decode_shaped(s.num_tokens, s.num_seqs) else prefill_attention
     return kernel(
         q,
@@ -753,7 +744,7 @@ def _attention(
         causal=causal,
         sm_scale=sm_scale,
         sliding_window=window,
-        block_sizes=blocks,
+        block_sizes=config,
         interpret=interpret,
     )
 
@@ -825,13 +816,6 @@ def write_kv(
 
 
 # ---------------------------------------------------------------------------- heuristics
-
-
-def device_num_sms() -> int:
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-        return int(getattr(device, "core_count", _DEFAULT_NUM_SMS))
-    return _DEFAULT_NUM_SMS
 
 
 def prefill_smem_bytes(block_sizes: BlockSizes, *, group: int, head_dim: int, dtype) -> int:

@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.backend import Implementation, dispatch
+from pallas_kernels.backend import Backend, Call, Implementation, Op
 from pallas_kernels.conv1d import reference, triton
 
 Activation = Literal["silu"] | None
 
-PREFILL_IMPLEMENTATIONS: dict[str, Callable] = {
-    "xla": reference.causal_conv1d,
-    "triton": triton.causal_conv1d,
-}
-UPDATE_IMPLEMENTATIONS: dict[str, Callable] = {
-    "xla": reference.causal_conv1d_update,
-    "triton": triton.causal_conv1d_update,
-}
+CAUSAL_CONV1D = Op(
+    "causal_conv1d",
+    (
+        Backend(
+            "triton",
+            triton.causal_conv1d,
+            config_type=triton.BlockSizes,
+            default_config=lambda x, weight, *_, **__: triton.default_block_sizes(
+                x.shape[1], weight.shape[1]
+            ),
+            check_config=lambda config, x, weight, *_, **__: triton.check_block_sizes(
+                config, weight.shape[1]
+            ),
+        ),
+        Backend("xla", reference.causal_conv1d),
+    ),
+)
+CAUSAL_CONV1D_UPDATE = Op(
+    "causal_conv1d_update",
+    (
+        Backend(
+            "triton",
+            triton.causal_conv1d_update,
+            config_type=triton.BlockSizes,
+            default_config=lambda x, *_, **__: triton.default_update_block_sizes(x.shape[-1]),
+        ),
+        Backend("xla", reference.causal_conv1d_update),
+    ),
+)
 
 
 def _check_weights(weight: jax.Array, bias: jax.Array | None, dim: int) -> int:
@@ -45,6 +65,7 @@ def causal_conv1d(
     activation: Activation = "silu",
     validate: bool = False,
     implementation: Implementation = "auto",
+    config: triton.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv1d over a packed variable-length batch, with per-slot state.
 
@@ -63,7 +84,9 @@ def causal_conv1d(
       has_initial_state: bool[B]; False starts from zeros (a fresh prompt).
       activation: None or "silu".
       validate: check ``query_start_loc`` and ``slot_ids`` on the host.
-      implementation: "auto" | "xla" | "triton" | "mosaic".
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
+        to take the first that serves the call (see ``pallas_kernels.backend``).
+      config: the chosen backend's block sizes (``conv1d.triton.BlockSizes``).
 
     Returns:
       ``(y[T, dim], new_conv_state_cache[S, K-1, dim])``, ``y`` in ``x``'s dtype.
@@ -85,31 +108,29 @@ def causal_conv1d(
     S = conv_state_cache.shape[0]
     checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
     checks.check_integer("query_start_loc", query_start_loc)
-    checks.check_integer("slot_ids", slot_ids)
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
         raise ValueError(
             f"query_start_loc must have shape [B + 1] with B >= 1, got {query_start_loc.shape}"
         )
     num_seqs = query_start_loc.shape[0] - 1
-    checks.check_shape("slot_ids", slot_ids, (num_seqs,), "[B]")
     checks.check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
     checks.check_activation(activation)
+    checked_slot_ids = checks.check_slot_ids(slot_ids, num_seqs, S, "[B]")
     if validate:
         checks.validate_query_start_loc(query_start_loc, T)
         checks.validate_slot_ids(slot_ids, S)
-    return dispatch(
-        PREFILL_IMPLEMENTATIONS,
-        implementation,
-        x,
-        weight,
-        bias,
-        op="causal_conv1d",
-        query_start_loc=query_start_loc.astype(jnp.int32),
-        conv_state_cache=conv_state_cache,
-        slot_ids=slot_ids.astype(jnp.int32),
-        has_initial_state=has_initial_state.astype(bool),
-        activation=activation,
+    call = Call(
+        (x, weight, bias),
+        dict(
+            query_start_loc=query_start_loc.astype(jnp.int32),
+            conv_state_cache=conv_state_cache,
+            slot_ids=checked_slot_ids,
+            has_initial_state=has_initial_state.astype(bool),
+            activation=activation,
+        ),
+        empty=(lambda: (x, conv_state_cache)) if T == 0 else None,
     )
+    return CAUSAL_CONV1D.run(call, implementation, config)
 
 
 def causal_conv1d_update(
@@ -122,6 +143,7 @@ def causal_conv1d_update(
     activation: Activation = "silu",
     validate: bool = False,
     implementation: Implementation = "auto",
+    config: triton.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode conv step: each row advances its slot's conv state by ``L`` tokens.
 
@@ -135,7 +157,9 @@ def causal_conv1d_update(
       slot_ids: int32[Bd], ``-1`` for padding rows (zero output, nothing written).
       activation: None or "silu".
       validate: check ``slot_ids`` on the host.
-      implementation: "auto" | "xla" | "triton" | "mosaic".
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
+        to take the first that serves the call (see ``pallas_kernels.backend``).
+      config: the chosen backend's block sizes (``conv1d.triton.BlockSizes``).
 
     Returns:
       ``(y, new_conv_state_cache)``, ``y`` with ``x``'s shape and dtype.
@@ -155,21 +179,15 @@ def causal_conv1d_update(
         )
     S = conv_state_cache.shape[0]
     checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
-    checks.check_integer("slot_ids", slot_ids)
-    checks.check_shape("slot_ids", slot_ids, (Bd,), "[Bd]")
     checks.check_activation(activation)
+    checked_slot_ids = checks.check_slot_ids(slot_ids, Bd, S, "[Bd]")
     if validate:
         checks.validate_slot_ids(slot_ids, S)
     steps = x if x.ndim == 3 else x[:, None, :]
-    y, cache = dispatch(
-        UPDATE_IMPLEMENTATIONS,
-        implementation,
-        steps,
-        conv_state_cache,
-        weight,
-        bias,
-        op="causal_conv1d_update",
-        slot_ids=slot_ids.astype(jnp.int32),
-        activation=activation,
+    call = Call(
+        (steps, conv_state_cache, weight, bias),
+        dict(slot_ids=checked_slot_ids, activation=activation),
+        empty=(lambda: (steps, conv_state_cache)) if steps.shape[0] * steps.shape[1] == 0 else None,
+        finish=None if x.ndim == 3 else (lambda out: (out[0][:, 0, :], out[1])),
     )
-    return (y if x.ndim == 3 else y[:, 0, :]), cache
+    return CAUSAL_CONV1D_UPDATE.run(call, implementation, config)

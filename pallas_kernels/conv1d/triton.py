@@ -64,13 +64,22 @@ class BlockSizes:
             raise ValueError(f"num_warps={self.num_warps} must be >= 1")
 
 
-def default_block_sizes(dim: int) -> BlockSizes:
+def default_block_sizes(dim: int, width: int) -> BlockSizes:
     """Measured on an H200 (tools/tune_conv1d.py, bamba-conv): 256 channels on two warps
     (4 channels per thread per row), 128 tokens per program in steps of 8 rows: 0.32 ms.
     Steps of 4 rows took 0.34 ms, 512-channel blocks on 4 warps 0.35 ms; before the
     activation took few instructions, 8-row steps were the slower ones (0.43 against
     0.41 ms) and one program per 16 rows (67k programs) took 0.49 ms."""
-    return BlockSizes(block_t=128, unroll_t=8, block_d=min(256, block_dim(dim, 4)), num_warps=2)
+    unroll_t = max(8, block_dim(width - 1))
+    return BlockSizes(
+        block_t=max(128, unroll_t), unroll_t=unroll_t, block_d=min(256, block_dim(dim, 4)), num_warps=2
+    )
+
+
+def check_block_sizes(config: BlockSizes, width: int) -> None:
+    """A prefill config must step at least ``K - 1`` rows at a time (the carried window)."""
+    if config.unroll_t < width - 1:
+        raise ValueError(f"config.unroll_t={config.unroll_t} must be >= K - 1 = {width - 1}")
 
 
 def default_update_block_sizes(dim: int) -> BlockSizes:
@@ -255,22 +264,14 @@ def causal_conv1d(
     slot_ids: jax.Array,
     has_initial_state: jax.Array,
     activation: str | None,
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.causal_conv1d`; arguments are already validated."""
     num_tokens, dim = x.shape
     width = weight.shape[1]
     num_seqs = slot_ids.shape[0]
-    if block_sizes is None:
-        block_sizes = default_block_sizes(dim)
-        if interpret:
-            # The row loop is unrolled: interpret mode compiles every row's ops, so the
-            # CPU takes short blocks (more of them, the same code path).
-            block_sizes = dataclasses.replace(block_sizes, block_t=8, unroll_t=4)
-    unroll_t = max(block_sizes.unroll_t, block_dim(width - 1))
-    block_t = max(block_sizes.block_t, unroll_t)
-    block_d = block_sizes.block_d
+    block_t, unroll_t, block_d = config.block_t, config.unroll_t, config.block_d
     num_blocks = pl.cdiv(num_tokens, block_t) + num_seqs
     block_seq, block_row = sequence_block_table(
         query_start_loc, block_size=block_t, num_blocks=num_blocks
@@ -304,7 +305,7 @@ def causal_conv1d(
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name=f"causal_conv1d_k{width}_bt{block_t}_ut{unroll_t}_bd{block_d}",
     )(*args)
@@ -394,13 +395,13 @@ def causal_conv1d_update(
     *,
     slot_ids: jax.Array,
     activation: str | None,
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.causal_conv1d_update`; ``x`` is ``[Bd, L, dim]`` here."""
     rows, _, dim = x.shape
     width = weight.shape[1]
-    blocks = block_sizes or default_update_block_sizes(dim)
+    blocks = config
     block_d = blocks.block_d
     args = (checked_slots(slot_ids, conv_state_cache.shape[0]), x, weight, bias, conv_state_cache)
     cache_index = sum(a is not None for a in args) - 1

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.backend import Implementation, dispatch
+from pallas_kernels.backend import Backend, Call, Implementation, Op
 from pallas_kernels.norm import reference, triton
 
-IMPLEMENTATIONS: dict[str, Callable] = {
-    "xla": reference.gated_rms_norm,
-    "triton": triton.gated_rms_norm,
-}
+GATED_RMS_NORM = Op(
+    "gated_rms_norm",
+    (
+        Backend(
+            "triton",
+            triton.gated_rms_norm,
+            config_type=triton.BlockSizes,
+            default_config=lambda *_, group_size, **__: triton.default_block_sizes(group_size),
+        ),
+        Backend("xla", reference.gated_rms_norm),
+    ),
+)
 
 
 def gated_rms_norm(
@@ -26,6 +32,7 @@ def gated_rms_norm(
     eps: float = 1e-5,
     norm_before_gate: bool = False,
     implementation: Implementation = "auto",
+    config: triton.BlockSizes | None = None,
 ) -> jax.Array:
     """Grouped RMSNorm with a SiLU gate, statistics in fp32.
 
@@ -40,7 +47,9 @@ def gated_rms_norm(
       group_size: channels per group; must divide Dm.
       eps: added to the mean square.
       norm_before_gate: see above.
-      implementation: "auto" | "xla" | "triton" | "mosaic".
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
+        to take the first that serves the call (see ``pallas_kernels.backend``).
+      config: the chosen backend's block sizes (``norm.triton.BlockSizes``).
 
     Returns:
       y[T, Dm] in ``x``'s dtype.
@@ -58,14 +67,9 @@ def gated_rms_norm(
         raise ValueError(f"{group_size=} must be >= 1 and divide Dm={Dm}")
     if not eps >= 0:
         raise ValueError(f"{eps=} must be >= 0")
-    return dispatch(
-        IMPLEMENTATIONS,
-        implementation,
-        x,
-        z,
-        weight,
-        op="gated_rms_norm",
-        group_size=int(group_size),
-        eps=float(eps),
-        norm_before_gate=bool(norm_before_gate),
+    call = Call(
+        (x, z, weight),
+        dict(group_size=int(group_size), eps=float(eps), norm_before_gate=bool(norm_before_gate)),
+        empty=(lambda: x) if T == 0 else None,
     )
+    return GATED_RMS_NORM.run(call, implementation, config)

@@ -86,12 +86,12 @@ def gated_rms_norm(
     group_size: int,
     eps: float,
     norm_before_gate: bool,
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> jax.Array:
     """See :func:`pallas_kernels.gated_rms_norm`; arguments are already validated."""
     num_rows, dim = x.shape
-    blocks = block_sizes or default_block_sizes(group_size)
+    blocks = config
     return pl.pallas_call(
         functools.partial(
             _kernel,

@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.backend import Implementation, dispatch
-from pallas_kernels.metadata import ChunkMetadata
+from pallas_kernels.backend import Backend, Call, Implementation, Op
+from pallas_kernels.metadata import ChunkMetadata, max_chunks_for
 from pallas_kernels.ssd import reference, triton
 
-# Backend name -> implementation; Pallas backends take ``interpret=`` as well.
-IMPLEMENTATIONS: dict[str, Callable] = {"xla": reference.ssd_scan, "triton": triton.ssd_scan}
+SSD_SCAN = Op(
+    "ssd_scan",
+    (
+        Backend(
+            "triton",
+            triton.ssd_scan,
+            config_type=triton.BlockSizes,
+            default_config=lambda x, dt, A, B, C, *, chunk_size, **_: triton.default_block_sizes(
+                chunk_size, x.shape[2], B.shape[2]
+            ),
+        ),
+        Backend("xla", reference.ssd_scan),
+    ),
+)
 
 
 def ssd_scan(
@@ -37,6 +48,7 @@ def ssd_scan(
     state_dtype: jnp.dtype = jnp.float32,
     validate: bool = False,
     implementation: Implementation = "auto",
+    config: triton.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mamba2 SSD prefill over a packed, chunk-aligned variable-length batch.
 
@@ -68,7 +80,10 @@ def ssd_scan(
         state of every sequence.
       state_dtype: dtype of the returned states (accumulation is always fp32).
       validate: check the metadata's data on the host (needs concrete arrays).
-      implementation: "auto" | "xla" | "triton" | "mosaic".
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
+        to take the first that serves the call (see ``pallas_kernels.backend``).
+      config: the chosen backend's block sizes (``ssd.triton.BlockSizes``); default: the
+        backend's heuristic.
 
     Returns:
       ``(y[T, H, P], states)`` with ``states`` of shape ``[B, H, P, N]`` (final; a sequence
@@ -79,64 +94,67 @@ def ssd_scan(
     D, z, dt_bias, initial_states = (
         None if a is None else jnp.asarray(a) for a in (D, z, dt_bias, initial_states)
     )
-    for name, a in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
-        checks.check_floating(name, a)
-    if x.ndim != 3:
-        raise ValueError(f"x must have shape [T, H, P], got {x.shape}")
-    T, H, P = x.shape
-    if B.ndim != 3:
-        raise ValueError(f"B must have shape [T, G, N], got {B.shape}")
-    G, N = B.shape[1:]
-    if G < 1 or H % G:
-        raise ValueError(f"number of groups G={G} (B.shape[1]) must divide H={H}")
-    checks.check_shape("dt", dt, (T, H), "[T, H]")
-    checks.check_shape("A", A, (H,), "[H]")
-    checks.check_shape("B", B, (T, G, N), "[T, G, N]")
-    checks.check_shape("C", C, (T, G, N), "[T, G, N]")
-    num_seqs = metadata.last_chunk_indices.shape[0]
-    max_chunks = metadata.max_chunks
-    checks.check_shape(
-        "metadata.cu_chunk_seqlens",
-        metadata.cu_chunk_seqlens,
-        (max_chunks + 1,),
-        "[max_chunks + 1]",
+    dt_limit = checks.check_ssm_inputs(
+        x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_limit=dt_limit, rows="T"
     )
-    if chunk_size < 1:
-        raise ValueError(f"{chunk_size=} must be >= 1")
-    if D is not None and D.shape not in ((H,), (H, P)):
-        raise ValueError(f"D must have shape [H] = ({H},) or [H, P] = ({H}, {P}), got {D.shape}")
-    if z is not None:
-        checks.check_shape("z", z, (T, H, P), "[T, H, P]")
-    if dt_bias is not None:
-        checks.check_shape("dt_bias", dt_bias, (H,), "[H]")
+    T, H, P = x.shape
+    N = B.shape[2]
+    num_seqs = metadata.last_chunk_indices.shape[0]
+    _check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
     if initial_states is not None:
         checks.check_shape("initial_states", initial_states, (num_seqs, H, P, N), "[B, H, P, N]")
-    lo, hi = (float(b) for b in dt_limit)
-    if not lo <= hi:
-        raise ValueError(f"dt_limit={dt_limit} must satisfy lo <= hi")
     if validate:
         _validate_metadata(metadata, num_tokens=T, chunk_size=chunk_size)
+    state_dtype = jnp.dtype(state_dtype)
 
-    return dispatch(
-        IMPLEMENTATIONS,
-        implementation,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        op="ssd_scan",
-        metadata=metadata,
-        chunk_size=chunk_size,
-        D=D,
-        z=z,
-        dt_bias=dt_bias,
-        dt_softplus=dt_softplus,
-        dt_limit=(lo, hi),
-        initial_states=initial_states,
-        return_intermediate_states=return_intermediate_states,
-        state_dtype=jnp.dtype(state_dtype),
+    def empty() -> tuple[jax.Array, jax.Array]:
+        """No tokens: y is empty; final states are the initial ones, chunk states 0."""
+        if return_intermediate_states or initial_states is None:
+            rows = metadata.max_chunks if return_intermediate_states else num_seqs
+            return x, jnp.zeros((rows, H, P, N), state_dtype)
+        return x, initial_states.astype(state_dtype)
+
+    call = Call(
+        (x, dt, A, B, C),
+        dict(
+            metadata=metadata,
+            chunk_size=chunk_size,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            dt_softplus=bool(dt_softplus),
+            dt_limit=dt_limit,
+            initial_states=initial_states,
+            return_intermediate_states=bool(return_intermediate_states),
+            state_dtype=state_dtype,
+        ),
+        empty=empty if T == 0 else None,
     )
+    return SSD_SCAN.run(call, implementation, config)
+
+
+def _check_metadata(
+    metadata: ChunkMetadata, *, num_tokens: int, num_seqs: int, chunk_size: int
+) -> None:
+    """Static checks: the metadata was built for this chunk size, with enough chunk slots."""
+    if chunk_size < 1:
+        raise ValueError(f"{chunk_size=} must be >= 1")
+    if metadata.chunk_size != chunk_size:
+        raise ValueError(
+            f"metadata was built with chunk_size={metadata.chunk_size}, "
+            f"but ssd_scan got {chunk_size=}"
+        )
+    max_chunks = metadata.max_chunks
+    checks.check_shape(
+        "metadata.cu_chunk_seqlens", metadata.cu_chunk_seqlens, (max_chunks + 1,), "[max_chunks + 1]"
+    )
+    needed = max_chunks_for(num_tokens, max(num_seqs, 1), chunk_size)
+    if max_chunks < needed:
+        raise ValueError(
+            f"metadata.max_chunks={max_chunks} is below max_chunks_for(T={num_tokens}, "
+            f"B={num_seqs}, {chunk_size=}) = {needed}: some layouts of this bucket would lose "
+            "chunks"
+        )
 
 
 def _validate_metadata(metadata: ChunkMetadata, *, num_tokens: int, chunk_size: int) -> None:

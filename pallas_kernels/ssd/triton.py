@@ -513,7 +513,7 @@ def ssd_scan(
     initial_states: jax.Array | None,
     return_intermediate_states: bool,
     state_dtype: jnp.dtype,
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated."""
@@ -529,7 +529,7 @@ def ssd_scan(
         max_chunks=metadata.max_chunks,
         chunk_size=chunk_size,
     )
-    blocks = block_sizes or default_block_sizes(chunk_size, P, N)
+    blocks = config
     f32 = jnp.float32
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))

@@ -121,14 +121,14 @@ def selective_state_update(
     dt_bias: jax.Array | None,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
-    block_sizes: BlockSizes | None = None,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.selective_state_update`; arguments are already validated."""
     rows, H, P = x.shape
     G, N = B.shape[1:]
-    blocks = block_sizes or default_block_sizes(P, N)
-    block_p = min(blocks.block_p, block_dim(P))
+    blocks = config
+    block_p = blocks.block_p
     f32 = jnp.float32
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)

@@ -43,8 +43,8 @@ from tests.helpers import (
     spec,
 )
 
-ATTENTION = implementations(api.ATTENTION_IMPLEMENTATIONS)
-WRITE_KV = implementations(api.WRITE_KV_IMPLEMENTATIONS)
+ATTENTION = implementations(api.MASKED_TAIL_ATTENTION)
+WRITE_KV = implementations(api.WRITE_KV)
 DTYPES = (jnp.float32, jnp.bfloat16)
 CACHE_LEN = 32
 

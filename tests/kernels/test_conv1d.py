@@ -36,8 +36,8 @@ from tests.helpers import (
     spec,
 )
 
-PREFILL = implementations(api.PREFILL_IMPLEMENTATIONS)
-UPDATE = implementations(api.UPDATE_IMPLEMENTATIONS)
+PREFILL = implementations(api.CAUSAL_CONV1D)
+UPDATE = implementations(api.CAUSAL_CONV1D_UPDATE)
 WIDTHS = (2, 3, 4)
 DTYPES = (jnp.float32, jnp.bfloat16)
 DIM = 16

@@ -15,7 +15,7 @@ from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.testing import assert_close, gated_rms_norm_oracle, tolerance_for
 from tests.helpers import as_f32, implementations, lower_for_cuda, normal, spec
 
-IMPLS = implementations(api.IMPLEMENTATIONS)
+IMPLS = implementations(api.GATED_RMS_NORM)
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 # (T, Dm, group_size): one group, several groups, group_size == Dm, small groups, size 1.

@@ -17,7 +17,7 @@ from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.testing import assert_close, ssd_oracle
 from tests.helpers import implementations, normal, query_start_loc
 
-IMPLS = implementations(ssd_api.IMPLEMENTATIONS)
+IMPLS = implementations(ssd_api.SSD_SCAN)
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 
 

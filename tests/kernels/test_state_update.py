@@ -12,7 +12,7 @@ from pallas_kernels.state_update import api as state_update_api
 from pallas_kernels.testing import assert_close, selective_state_update_oracle
 from tests.helpers import implementations, normal
 
-IMPLS = implementations(state_update_api.IMPLEMENTATIONS)
+IMPLS = implementations(state_update_api.SELECTIVE_STATE_UPDATE)
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 
 
