@@ -128,7 +128,9 @@ class Backend:
         """Why ``device`` cannot run this backend (``auto``: whether ``auto`` would pick it
         there; Triton kernels interpret off-GPU only when asked for by name)."""
         if self.name == "mosaic" and not supports_mosaic(device):
-            return f"Mosaic GPU kernels need a Hopper (sm90) or newer GPU, not {device.device_kind!r}"
+            return (
+                f"Mosaic GPU kernels need a Hopper (sm90) or newer GPU, not {device.device_kind!r}"
+            )
         if self.name == "triton" and auto and not on_gpu(device):
             return "auto runs Triton kernels on a GPU only"
         return None
@@ -204,8 +206,10 @@ class Op:
         reasons = []
         for backend in candidates:
             reason = backend.device_reason(device, auto=auto)
-            if reason is None and config is not None and not isinstance(
-                config, backend.config_type or ()
+            if (
+                reason is None
+                and config is not None
+                and not isinstance(config, backend.config_type or ())
             ):
                 reason = (
                     f"config of type {type(config).__name__} is not this backend's "

@@ -72,7 +72,10 @@ def default_block_sizes(dim: int, width: int) -> BlockSizes:
     0.41 ms) and one program per 16 rows (67k programs) took 0.49 ms."""
     unroll_t = max(8, block_dim(width - 1))
     return BlockSizes(
-        block_t=max(128, unroll_t), unroll_t=unroll_t, block_d=min(256, block_dim(dim, 4)), num_warps=2
+        block_t=max(128, unroll_t),
+        unroll_t=unroll_t,
+        block_d=min(256, block_dim(dim, 4)),
+        num_warps=2,
     )
 
 

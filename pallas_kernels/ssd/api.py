@@ -146,7 +146,10 @@ def _check_metadata(
         )
     max_chunks = metadata.max_chunks
     checks.check_shape(
-        "metadata.cu_chunk_seqlens", metadata.cu_chunk_seqlens, (max_chunks + 1,), "[max_chunks + 1]"
+        "metadata.cu_chunk_seqlens",
+        metadata.cu_chunk_seqlens,
+        (max_chunks + 1,),
+        "[max_chunks + 1]",
     )
     needed = max_chunks_for(num_tokens, max(num_seqs, 1), chunk_size)
     if max_chunks < needed:
