@@ -37,7 +37,9 @@ def silu(v: jax.Array) -> jax.Array:
 
 def checked_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:
     """Slot ids with anything outside ``[0, S)`` (padding's -1, bad data) mapped to -1:
-    such rows read and write nothing."""
+    such rows read and write nothing. The api applies it to every call
+    (``_validation.check_slot_ids``); kernels apply it again so that they stay in bounds
+    when called directly."""
     return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1).astype(jnp.int32)
 
 

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._common import checked_slots
+
 
 def check_shape(name: str, array: jax.Array, expected: Sequence[int | None], letters: str) -> None:
     """Raises unless ``array.shape`` matches ``expected`` (``None`` matches any size).
@@ -132,5 +134,4 @@ def check_slot_ids(slot_ids: jax.Array, rows: int, num_slots: int, letters: str)
     outputs."""
     check_integer("slot_ids", slot_ids)
     check_shape("slot_ids", slot_ids, (rows,), letters)
-    slot_ids = slot_ids.astype(jnp.int32)
-    return jnp.where((slot_ids >= 0) & (slot_ids < num_slots), slot_ids, -1)
+    return checked_slots(slot_ids, num_slots)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
+from pallas_kernels._common import slot_gather_index, slot_scatter_index
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 from pallas_kernels.metadata import ChunkMetadata, max_chunks_for
 from pallas_kernels.ssd import reference, triton
@@ -44,6 +45,9 @@ def ssd_scan(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     initial_states: jax.Array | None = None,
+    state_cache: jax.Array | None = None,
+    slot_ids: jax.Array | None = None,
+    has_initial_state: jax.Array | None = None,
     return_intermediate_states: bool = False,
     state_dtype: jnp.dtype = jnp.float32,
     validate: bool = False,
@@ -76,8 +80,16 @@ def ssd_scan(
       dt_limit: (lo, hi) clamp of the processed dt.
       initial_states: initial_states[B, H, P, N], each sequence's state before its new
         tokens (the cached state when ``num_computed_tokens > 0``); zeros when None.
+      state_cache: state_cache[S, H, P, N], a slot-indexed state cache to continue from and
+        write to, instead of ``initial_states``: sequence ``b`` starts from
+        ``state_cache[slot_ids[b]]`` where ``has_initial_state[b]`` (else from 0), and its
+        final state is written back to that slot in the cache's dtype. Slots not named
+        come back bit-identical; ids outside ``[0, S)`` are padding (nothing read or written).
+      slot_ids: int32[B], each sequence's slot (with ``state_cache`` only).
+      has_initial_state: bool[B], whether the slot holds the sequence's state so far (with
+        ``state_cache`` only; False: a fresh prompt).
       return_intermediate_states: return the state after every chunk instead of the final
-        state of every sequence.
+        state of every sequence (not with ``state_cache``).
       state_dtype: dtype of the returned states (accumulation is always fp32).
       validate: check the metadata's data on the host (needs concrete arrays).
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
@@ -88,7 +100,8 @@ def ssd_scan(
     Returns:
       ``(y[T, H, P], states)`` with ``states`` of shape ``[B, H, P, N]`` (final; a sequence
       without new tokens keeps its initial state) or ``[max_chunks, H, P, N]`` (after each
-      chunk; padding chunks give 0). ``y`` has ``x``'s dtype.
+      chunk; padding chunks give 0). ``y`` has ``x``'s dtype. With ``state_cache``:
+      ``(y, new_state_cache[S, H, P, N])``.
     """
     x, dt, A, B, C = (jnp.asarray(a) for a in (x, dt, A, B, C))
     D, z, dt_bias, initial_states = (
@@ -103,9 +116,33 @@ def ssd_scan(
     _check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
     if initial_states is not None:
         checks.check_shape("initial_states", initial_states, (num_seqs, H, P, N), "[B, H, P, N]")
+    state_dtype = jnp.dtype(state_dtype)
+    slots = None
+    if state_cache is not None:
+        if initial_states is not None or return_intermediate_states:
+            raise ValueError(
+                "state_cache replaces initial_states and returns the updated cache: pass "
+                "neither initial_states nor return_intermediate_states=True with it"
+            )
+        if slot_ids is None or has_initial_state is None:
+            raise ValueError("state_cache needs slot_ids[B] and has_initial_state[B]")
+        state_cache, has_initial_state = jnp.asarray(state_cache), jnp.asarray(has_initial_state)
+        checks.check_floating("state_cache", state_cache)
+        if state_cache.ndim != 4 or state_cache.shape[1:] != (H, P, N):
+            raise ValueError(
+                f"state_cache must have shape [S, H, P, N] = (S, {H}, {P}, {N}), "
+                f"got {state_cache.shape}"
+            )
+        checks.check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
+        slots = checks.check_slot_ids(jnp.asarray(slot_ids), num_seqs, state_cache.shape[0], "[B]")
+        if validate:
+            checks.validate_slot_ids(jnp.asarray(slot_ids), state_cache.shape[0])
+        initial_states = gather_states(state_cache, slots, has_initial_state)
+        state_dtype = state_cache.dtype
+    elif slot_ids is not None or has_initial_state is not None:
+        raise ValueError("slot_ids and has_initial_state go with state_cache")
     if validate:
         _validate_metadata(metadata, num_tokens=T, chunk_size=chunk_size)
-    state_dtype = jnp.dtype(state_dtype)
 
     def empty() -> tuple[jax.Array, jax.Array]:
         """No tokens: y is empty; final states are the initial ones, chunk states 0."""
@@ -130,7 +167,28 @@ def ssd_scan(
         ),
         empty=empty if T == 0 else None,
     )
-    return SSD_SCAN.run(call, implementation, config)
+    y, states = SSD_SCAN.run(call, implementation, config)
+    if slots is None:
+        return y, states
+    return y, scatter_states(state_cache, states, slots)
+
+
+def gather_states(
+    state_cache: jax.Array, slot_ids: jax.Array, has_initial_state: jax.Array
+) -> jax.Array:
+    """initial_states[B, H, P, N] in fp32: ``state_cache[slot]`` where the sequence has a
+    state, else 0. ``slot_ids`` are checked (-1: padding); the mask selects, so whatever
+    an unread line holds (NaN included) never reaches the result."""
+    live = has_initial_state.astype(bool) & (slot_ids >= 0)
+    gathered = state_cache[slot_gather_index(slot_ids)].astype(jnp.float32)
+    return jnp.where(live[:, None, None, None], gathered, 0.0)
+
+
+def scatter_states(state_cache: jax.Array, states: jax.Array, slot_ids: jax.Array) -> jax.Array:
+    """``state_cache`` with ``states[b]`` written to slot ``slot_ids[b]``; padding (-1)
+    writes nothing (it is sent past the cache and dropped: a -1 index would wrap)."""
+    index = slot_scatter_index(slot_ids, state_cache.shape[0])
+    return state_cache.at[index].set(states.astype(state_cache.dtype), mode="drop")
 
 
 def _check_metadata(
