@@ -102,7 +102,7 @@ def bench_conv(p: ConvProblem, ceilings: harness.Ceilings) -> list[dict]:
     bytes_moved = 2 * T * p.dim * BF16 + state_bytes
     flops = 2 * T * p.dim * p.width
     rows = []
-    for impl in harness.runnable(conv_api.PREFILL_IMPLEMENTATIONS):
+    for impl in harness.runnable(conv_api.CAUSAL_CONV1D):
         fn = jax.jit(
             lambda x, cache, impl=impl: causal_conv1d(
                 x,
@@ -150,7 +150,7 @@ def bench_update(p: UpdateProblem, ceilings: harness.Ceilings) -> list[dict]:
     bytes_moved = 2 * R * p.dim * BF16 + 2 * R * (p.width - 1) * p.dim * BF16
     flops = 2 * R * p.dim * p.width
     rows = []
-    for impl in harness.runnable(conv_api.UPDATE_IMPLEMENTATIONS):
+    for impl in harness.runnable(conv_api.CAUSAL_CONV1D_UPDATE):
         timing = harness.time_cache_update(
             lambda cache, impl=impl: causal_conv1d_update(
                 x, cache, w, bias, slot_ids=slots, implementation=impl
@@ -183,7 +183,7 @@ def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
     bytes_moved = 3 * p.rows * p.dim * BF16
     flops = 8 * p.rows * p.dim
     rows = []
-    for impl in harness.runnable(norm_api.IMPLEMENTATIONS):
+    for impl in harness.runnable(norm_api.GATED_RMS_NORM):
         fn = jax.jit(
             lambda x, z, impl=impl: gated_rms_norm(
                 x, z, w, group_size=p.group_size, implementation=impl

@@ -18,7 +18,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.backend import resolve
+from pallas_kernels.backend import Op
 
 
 def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
@@ -46,16 +46,11 @@ def selected(name: str, only: Sequence[str] | None) -> bool:
     return only is None or name in only
 
 
-def runnable(registry: Mapping[str, Any]) -> list[str]:
-    """The implementations of an op's registry that run on this machine (sorted)."""
-    names = []
-    for name in sorted(registry):
-        try:
-            resolve(name, op="benchmark", available=registry)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
+def runnable(op: Op) -> list[str]:
+    """The backends of ``op`` this machine runs when named (sorted); whether one serves a
+    given call is ``pk.backend_for``'s to say."""
+    device = jax.devices()[0]
+    return sorted(b.name for b in op.backends if b.device_reason(device, auto=False) is None)
 
 
 @dataclasses.dataclass(frozen=True)

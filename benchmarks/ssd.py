@@ -111,7 +111,7 @@ def bench_prefill(p: PrefillProblem, ceilings: harness.Ceilings) -> list[dict]:
     n = int(md.num_chunks)
     flops, bytes_moved = prefill_cost(p, np.asarray(md.cu_chunk_seqlens)[: n + 1])
     rows = []
-    for impl in harness.runnable(ssd_api.IMPLEMENTATIONS):
+    for impl in harness.runnable(ssd_api.SSD_SCAN):
         fn = jax.jit(
             lambda x, dt, B, C, md, impl=impl: ssd_scan(
                 x,
@@ -171,7 +171,7 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
     bytes_moved = state_bytes + R * (2 * H * P + 2 * G * N + H) * 2
     flops = 6 * R * H * P * N
     rows = []
-    for impl in harness.runnable(state_update_api.IMPLEMENTATIONS):
+    for impl in harness.runnable(state_update_api.SELECTIVE_STATE_UPDATE):
         timing = harness.time_cache_update(
             lambda cache, impl=impl: selective_state_update(
                 cache,

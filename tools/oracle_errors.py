@@ -78,7 +78,7 @@ def ssd_errors(p: ssd_bench.PrefillProblem) -> list[dict]:
             want,
             **sizes,
         )
-        for impl in harness.runnable(ssd_api.IMPLEMENTATIONS)
+        for impl in harness.runnable(ssd_api.SSD_SCAN)
     ]
 
 
@@ -100,7 +100,7 @@ def state_update_errors(p: ssd_bench.DecodeProblem) -> list[dict]:
             rows=p.rows,
             heads=p.heads,
         )
-        for impl in harness.runnable(state_update_api.IMPLEMENTATIONS)
+        for impl in harness.runnable(state_update_api.SELECTIVE_STATE_UPDATE)
     ]
 
 
@@ -134,7 +134,7 @@ def conv_errors(p: conv_bench.ConvProblem) -> list[dict]:
             tokens=int(qsl[-1]),
             dim=p.dim,
         )
-        for impl in harness.runnable(conv_api.PREFILL_IMPLEMENTATIONS)
+        for impl in harness.runnable(conv_api.CAUSAL_CONV1D)
     ]
 
 
@@ -154,7 +154,7 @@ def conv_update_errors(p: conv_bench.UpdateProblem) -> list[dict]:
             rows=p.rows,
             dim=p.dim,
         )
-        for impl in harness.runnable(conv_api.UPDATE_IMPLEMENTATIONS)
+        for impl in harness.runnable(conv_api.CAUSAL_CONV1D_UPDATE)
     ]
 
 
@@ -170,7 +170,7 @@ def norm_errors(p: conv_bench.NormProblem) -> list[dict]:
             (want,),
             rows=p.rows,
         )
-        for impl in harness.runnable(norm_api.IMPLEMENTATIONS)
+        for impl in harness.runnable(norm_api.GATED_RMS_NORM)
     ]
 
 

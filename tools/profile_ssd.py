@@ -102,7 +102,7 @@ def main() -> None:
                 initial_states=None,
                 return_intermediate_states=False,
                 state_dtype=jnp.float32,
-                block_sizes=cand,
+                config=cand,
             )
         )
         try:

@@ -328,7 +328,7 @@ def run_problem(
             p,
             x,
             attention_triton.masked_tail_attention,
-            block_sizes=blocks,
+            config=blocks,
             interpret=not gpu,
         )
         try:

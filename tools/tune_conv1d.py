@@ -74,7 +74,7 @@ def sweep_conv(p, rng, results) -> None:
 
     def make_fn(c):
         blocks = conv_triton.BlockSizes(**c)
-        return jax.jit(lambda x: conv_triton.causal_conv1d(x, w, bias, block_sizes=blocks, **kw))
+        return jax.jit(lambda x: conv_triton.causal_conv1d(x, w, bias, config=blocks, **kw))
 
     _time_candidates("conv", p.name, CONV_CANDIDATES, make_fn, (x,), want, 2 * x.nbytes, results)
 
@@ -89,9 +89,7 @@ def sweep_norm(p, rng, results) -> None:
 
     def make_fn(c):
         blocks = norm_triton.BlockSizes(**c)
-        return jax.jit(
-            lambda x, z: norm_triton.gated_rms_norm(x, z, weight, block_sizes=blocks, **kw)
-        )
+        return jax.jit(lambda x, z: norm_triton.gated_rms_norm(x, z, weight, config=blocks, **kw))
 
     _time_candidates("norm", p.name, NORM_CANDIDATES, make_fn, (x, z), want, 3 * x.nbytes, results)
 
