@@ -44,13 +44,24 @@ CAUSAL_CONV1D_UPDATE = Op(
 )
 
 
-def _check_weights(weight: jax.Array, bias: jax.Array | None, dim: int) -> int:
+def _check_weights_and_cache(
+    weight: jax.Array, bias: jax.Array | None, conv_state_cache: jax.Array, dim: int
+) -> int:
+    """Checks ``weight[dim, K]``, ``bias[dim]`` and ``conv_state_cache[S, K-1, dim]``;
+    returns S."""
     checks.check_floating("weight", weight)
     if weight.ndim != 2 or weight.shape[0] != dim or weight.shape[1] < 2:
         raise ValueError(f"weight must have shape [dim, K] = ({dim}, K>=2), got {weight.shape}")
     if bias is not None:
         checks.check_shape("bias", bias, (dim,), "[dim]")
-    return weight.shape[1]
+    K = weight.shape[1]
+    if conv_state_cache.ndim != 3:
+        raise ValueError(
+            f"conv_state_cache must have shape [S, K-1, dim], got {conv_state_cache.shape}"
+        )
+    S = conv_state_cache.shape[0]
+    checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
+    return S
 
 
 def causal_conv1d(
@@ -100,13 +111,7 @@ def causal_conv1d(
     if x.ndim != 2:
         raise ValueError(f"x must have shape [T, dim], got {x.shape}")
     T, dim = x.shape
-    K = _check_weights(weight, bias, dim)
-    if conv_state_cache.ndim != 3:
-        raise ValueError(
-            f"conv_state_cache must have shape [S, K-1, dim], got {conv_state_cache.shape}"
-        )
-    S = conv_state_cache.shape[0]
-    checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
+    S = _check_weights_and_cache(weight, bias, conv_state_cache, dim)
     checks.check_integer("query_start_loc", query_start_loc)
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
         raise ValueError(
@@ -172,13 +177,7 @@ def causal_conv1d_update(
     if x.ndim not in (2, 3):
         raise ValueError(f"x must have shape [Bd, dim] or [Bd, L, dim], got {x.shape}")
     Bd, dim = x.shape[0], x.shape[-1]
-    K = _check_weights(weight, bias, dim)
-    if conv_state_cache.ndim != 3:
-        raise ValueError(
-            f"conv_state_cache must have shape [S, K-1, dim], got {conv_state_cache.shape}"
-        )
-    S = conv_state_cache.shape[0]
-    checks.check_shape("conv_state_cache", conv_state_cache, (S, K - 1, dim), "[S, K-1, dim]")
+    S = _check_weights_and_cache(weight, bias, conv_state_cache, dim)
     checks.check_activation(activation)
     checked_slot_ids = checks.check_slot_ids(slot_ids, Bd, S, "[Bd]")
     if validate:
