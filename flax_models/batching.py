@@ -48,6 +48,7 @@ class StepArrays:
     slot_ids: np.ndarray  # int32[num_decode + prefill_seqs], -1 for padding
     num_decode: int  # the decode bucket
     num_requests: int  # decode and prefill requests, in order, before the padding
+    num_decode_requests: int  # decode requests (one real token each), the first requests
     num_tokens: int  # real tokens (decode rows and prompt tokens), padding excluded
 
     @property
@@ -65,6 +66,9 @@ class BatchBuilder:
       decode_buckets: allowed decode-row counts (0 is always allowed).
       token_buckets: allowed prefill token counts (0 is always allowed).
       prefill_seqs: static number of prefill sequence rows (padding sequences fill it).
+      vocab_size: token ids must lie in ``[0, vocab_size)`` (None: not checked). An id
+        outside would index past the embedding table inside the jitted step, where
+        nothing can raise: NaN logits, or a wrapped row for a negative id.
     """
 
     num_slots: int
@@ -72,6 +76,7 @@ class BatchBuilder:
     decode_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
     prefill_seqs: int
+    vocab_size: int | None = None
 
     def check(self, decode: Sequence[Request], prefill: Sequence[Request]) -> None:
         """Raises ``ValueError`` for a batch that cannot run (touches nothing)."""
@@ -84,8 +89,18 @@ class BatchBuilder:
                 if r.slot in seen:
                     raise ValueError(f"{where}: slot appears twice in one step")
                 seen.add(r.slot)
-                if not r.tokens:
+                if len(r.tokens) == 0:
                     raise ValueError(f"{where}: empty prompt (no new tokens)")
+                ids = np.asarray(r.tokens)
+                if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                    raise ValueError(f"{where}: tokens must be a list of int token ids")
+                if self.vocab_size is not None:
+                    bad = (ids < 0) | (ids >= self.vocab_size)
+                    if bad.any():
+                        raise ValueError(
+                            f"{where}: token id {ids[bad][0]} is outside "
+                            f"[0, vocab_size={self.vocab_size})"
+                        )
                 if kind == "decode" and len(r.tokens) != 1:
                     raise ValueError(f"{where}: a decode row has exactly one token")
                 if r.num_computed < 0:
@@ -149,14 +164,15 @@ class BatchBuilder:
             slot_ids=np.asarray(slots, np.int32),
             num_decode=num_decode,
             num_requests=len(decode) + len(prefill),
+            num_decode_requests=len(decode),
             num_tokens=len(decode) + len(prefill_tokens),
         )
 
-    def request_rows(self, step: StepArrays, num_decode_requests: int) -> np.ndarray:
+    def request_rows(self, step: StepArrays) -> np.ndarray:
         """Sequence row of each request of ``step``, in request order (decode, prefill)."""
-        prefill = step.num_requests - num_decode_requests
+        prefill = step.num_requests - step.num_decode_requests
         return np.concatenate(
-            [np.arange(num_decode_requests), step.num_decode + np.arange(prefill)]
+            [np.arange(step.num_decode_requests), step.num_decode + np.arange(prefill)]
         ).astype(np.int32)
 
     def buckets(self) -> list[tuple[int, int]]:
@@ -179,5 +195,6 @@ class BatchBuilder:
             slot_ids=np.full(rows, -1, np.int32),
             num_decode=num_decode,
             num_requests=0,
+            num_decode_requests=0,
             num_tokens=0,
         )

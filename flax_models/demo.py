@@ -60,7 +60,12 @@ def _row(op, shape, actual, expected, fn):
 
 
 def kernel_table(implementation: str = "auto", seed: int = 0) -> list[dict]:
-    """Runs every op once on the embedded batch; returns the table rows."""
+    """Runs every op once on the embedded batch; returns the table rows. ``implementation``
+    names a backend family as for the model ("mosaic": Mosaic kernels where an op has
+    them, Triton elsewhere)."""
+    from flax_models.model import layer_implementation
+
+    implementation = layer_implementation(implementation)
     rng = np.random.default_rng(seed)
 
     def normal(*shape):

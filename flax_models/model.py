@@ -10,8 +10,11 @@ or an MLP (``-``); with ``mlp_per_layer`` (Bamba, Granite) a mixer block is foll
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
@@ -20,13 +23,42 @@ from flax_models.cache import LayerCache, init_cache
 from flax_models.config import HybridConfig
 from flax_models.layers import MLP, Attention, Mamba2Mixer, RMSNorm
 from flax_models.layers.linear import linear_kwargs
+from pallas_kernels.backend import BACKEND_NAMES, IMPLEMENTATIONS
+
+# A model-level implementation names a backend family: "the best it has for each op". Mosaic
+# GPU kernels exist only for the tensor-core-bound ops, Triton kernels for every op, so
+# "mosaic" asks each op for Mosaic where it has it and Triton elsewhere. "xla", "triton"
+# and "auto" exist for every op and pass through.
+_FAMILY_BACKENDS: dict[str, str | tuple[str, ...]] = {"mosaic": ("mosaic", "triton")}
+
+
+def layer_implementation(implementation: str | Sequence[str]) -> str | tuple[str, ...]:
+    """The ``implementation=`` a model's layers pass to every op, for the model's own
+    ``implementation`` ("auto" | "xla" | "triton" | "mosaic", or a sequence of backend
+    names, first that serves a call wins, passed through as a tuple)."""
+    if isinstance(implementation, str):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+        return _FAMILY_BACKENDS.get(implementation, implementation)
+    names = tuple(implementation)
+    if not names or any(name not in BACKEND_NAMES for name in names):
+        raise ValueError(
+            f"implementation={names!r}: a sequence must name backends of {BACKEND_NAMES}"
+        )
+    return names
 
 
 class Block(nnx.Module):
     """One residual block of the layer pattern."""
 
     def __init__(
-        self, cfg: HybridConfig, kind: str, *, dtype: jnp.dtype, implementation: str, rngs: nnx.Rngs
+        self,
+        cfg: HybridConfig,
+        kind: str,
+        *,
+        dtype: jnp.dtype,
+        implementation: str | tuple[str, ...],
+        rngs: nnx.Rngs,
     ):
         self.kind = kind
         self.residual_multiplier = cfg.residual_multiplier
@@ -54,25 +86,35 @@ class Block(nnx.Module):
 
 
 class HybridLM(nnx.Module):
-    """Hybrid Mamba2/attention causal language model."""
+    """Hybrid Mamba2/attention causal language model.
+
+    Args:
+      cfg: the architecture.
+      dtype: parameters and compute (``A_log``, ``D``, ``dt_bias`` stay fp32).
+      implementation: the kernels' backend family, "auto" | "xla" | "triton" | "mosaic"
+        (Mosaic kernels where an op has them, Triton elsewhere), or a sequence of backend
+        names; see :func:`layer_implementation`.
+      rngs: parameter initialisation.
+    """
 
     def __init__(
         self,
         cfg: HybridConfig,
         *,
         dtype: jnp.dtype = jnp.float32,
-        implementation: str = "auto",
+        implementation: str | Sequence[str] = "auto",
         rngs: nnx.Rngs,
     ):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
-        self.implementation = implementation
+        layer_impl = layer_implementation(implementation)
+        self.implementation = implementation if isinstance(implementation, str) else layer_impl
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
         self.layers = nnx.List(
             [
-                Block(cfg, kind, dtype=dtype, implementation=implementation, rngs=rngs)
+                Block(cfg, kind, dtype=dtype, implementation=layer_impl, rngs=rngs)
                 for kind in cfg.layer_pattern
             ]
         )
@@ -97,7 +139,11 @@ class HybridLM(nnx.Module):
     ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
         """Packed tokens[T] → (logits[T, V] in fp32, updated caches); with
         ``logits_rows[R]`` only those rows' logits, ``[R, V]`` (a serving step needs each
-        sequence's last token, not T × V logits)."""
+        sequence's last token, not T × V logits).
+
+        ``tokens`` must lie in ``[0, V)``; they are not checked here (they are traced when
+        serving): an id past the table gives NaN rows, a negative one wraps around.
+        """
         h = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         new_caches = []
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -114,8 +160,28 @@ class HybridLM(nnx.Module):
         return logits.astype(jnp.float32) / self.cfg.logits_scaling, tuple(new_caches)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
-        """input_ids[B, L] → logits[B, L, V] (fp32), every row a fresh sequence."""
+        """input_ids[B, L] → logits[B, L, V] (fp32), every row a fresh sequence.
+
+        Token ids must lie in ``[0, vocab_size)``. Concrete ids are checked (``ValueError``);
+        traced ids (under ``jax.jit``) cannot be, and out-of-range ones give NaN logits or,
+        negative, wrap around. ``B = 0`` or ``L = 0`` gives empty logits.
+        """
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must have shape [B, L], got {input_ids.shape}")
+        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         num_seqs, length = input_ids.shape
+        vocab = self.cfg.vocab_size
+        if num_seqs * length == 0:  # nothing to run: no sequence, or no token in any
+            return jnp.zeros((num_seqs, length, vocab), jnp.float32)
+        if not isinstance(input_ids, jax.core.Tracer):
+            ids = np.asarray(input_ids)
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab:
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size={vocab}), got ids from {low} to {high}"
+                )
         batch = make_forward_batch(
             jnp.arange(num_seqs + 1, dtype=jnp.int32) * length,
             jnp.zeros((num_seqs,), jnp.int32),

@@ -73,7 +73,7 @@ def main() -> None:
             max_slots=args.rows,
             max_len=args.prompt,
             token_budget=tokens,
-            decode_buckets=(1,),
+            decode_buckets=(args.rows,),
             token_buckets=(tokens,),
         )
         prompts = [list(rng.integers(0, cfg.vocab_size, args.prompt)) for _ in range(args.rows)]
@@ -83,7 +83,7 @@ def main() -> None:
             model,
             max_slots=args.rows,
             max_len=args.context + 1,
-            token_budget=args.rows,
+            token_budget=16,
             decode_buckets=(args.rows,),
             token_buckets=(16,),
         )

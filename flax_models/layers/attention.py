@@ -28,7 +28,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: fl
 class Attention(nnx.Module):
     """q/k/v projections → RoPE → write this step's K/V → masked-tail attention → o_proj."""
 
-    def __init__(self, cfg: HybridConfig, *, dtype: jnp.dtype, implementation: str, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        *,
+        dtype: jnp.dtype,
+        implementation: str | tuple[str, ...],
+        rngs: nnx.Rngs,
+    ):
         self.cfg = cfg
         self.implementation = implementation
         linear = linear_kwargs(use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)

@@ -19,7 +19,14 @@ class Mamba2Mixer(nnx.Module):
     ``A_log``, ``D`` and ``dt_bias`` stay fp32 whatever the compute dtype.
     """
 
-    def __init__(self, cfg: HybridConfig, *, dtype: jnp.dtype, implementation: str, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        *,
+        dtype: jnp.dtype,
+        implementation: str | tuple[str, ...],
+        rngs: nnx.Rngs,
+    ):
         self.cfg = cfg
         self.implementation = implementation
         H, K = cfg.mamba_num_heads, cfg.mamba_conv_kernel
@@ -136,12 +143,9 @@ class Mamba2Mixer(nnx.Module):
             implementation=self.implementation,
         )
         x, B, C = self._split_xbc(xbc)
-        initial = jnp.where(
-            has_state[:, None, None, None],
-            cache.ssm_state[jnp.maximum(slot_ids, 0)].astype(jnp.float32),
-            0.0,
-        )
-        y, final = pk.ssd_scan(
+        # The scan reads each sequence's state from its slot and writes the final one back
+        # (padding writes nothing; a sequence without new tokens keeps its state).
+        y, ssm_state = pk.ssd_scan(
             x,
             dt,
             self._A(),
@@ -149,13 +153,9 @@ class Mamba2Mixer(nnx.Module):
             C,
             metadata=batch.chunks,
             chunk_size=cfg.mamba_chunk_size,
-            initial_states=initial,
-            state_dtype=cache.ssm_state.dtype,
+            state_cache=cache.ssm_state,
+            slot_ids=slot_ids,
+            has_initial_state=has_state,
             **self._ssm_params(),
-        )
-        num_slots = cache.ssm_state.shape[0]
-        # Sequences without new tokens get their initial state back; padding writes nothing.
-        ssm_state = cache.ssm_state.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(
-            final, mode="drop"
         )
         return y.reshape(y.shape[0], -1), MambaCache(conv_state=conv_state, ssm_state=ssm_state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 from flax_models.batching import Request
 from flax_models.checkpoint import load_hf_checkpoint
-from flax_models.engine import Engine
+from flax_models.engine import Engine, sample_tokens
 from pallas_kernels.testing import assert_close
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -23,6 +24,30 @@ def model(family: str = "bamba"):
     if family not in _MODELS:
         _MODELS[family] = load_hf_checkpoint(FIXTURES / family, implementation="xla")
     return _MODELS[family]
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> Engine:
+    """One engine of three programs, shared by the tests that only need some steps."""
+    return Engine(model(), max_slots=2, max_len=32, token_budget=8, decode_buckets=(2,))
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """Names of the programs XLA compiles while open, from JAX's own monitoring event (one
+    per backend compilation, whatever triggered it: a jit, an eager op, a key helper)."""
+    names: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        del duration
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def random_prompts(rng, vocab: int, lengths) -> list[list[int]]:
@@ -93,28 +118,40 @@ def test_a_reused_slot_carries_nothing_over():
 
 
 def test_no_compilation_after_warmup():
+    """After warmup() nothing compiles, whatever the mix of steps, prompt lengths and
+    sampling settings; compile_count is the number of programs XLA really compiled."""
     m = model()
     engine = Engine(m, max_slots=4, max_len=64, token_budget=16)
-    compiled = engine.warmup()
-    assert compiled == len(engine.builder.buckets())
+    with backend_compiles() as at_warmup:
+        compiled = engine.warmup()
+    assert compiled == len(engine.builder.buckets()) == len(at_warmup), at_warmup
     rng = np.random.default_rng(4)
-    for _ in range(200):
-        slots = rng.permutation(4)
-        num_decode = int(rng.integers(0, 5))
-        decode = [
-            Request(int(s), [int(rng.integers(0, 100))], int(rng.integers(1, 60)))
-            for s in slots[:num_decode]
-        ]
-        prefill, budget = [], 16
-        for s in slots[num_decode:]:
-            n = int(rng.integers(0, budget + 1))
-            if n:
-                prefill.append(Request(int(s), [1] * n, int(rng.integers(0, 64 - n))))
-                budget -= n
-        if decode or prefill:
-            engine.step(engine.builder.build(decode, prefill))
-    assert engine.compile_count == compiled
-    engine.generate(random_prompts(rng, m.cfg.vocab_size, (3, 33, 17, 1, 20)), 4)
+    with backend_compiles() as after_warmup:
+        for _ in range(100):
+            slots = rng.permutation(4)
+            num_decode = int(rng.integers(0, 5))
+            decode = [
+                Request(int(s), [int(rng.integers(0, 100))], int(rng.integers(1, 60)))
+                for s in slots[:num_decode]
+            ]
+            prefill, budget = [], 16
+            for s in slots[num_decode:]:
+                n = int(rng.integers(0, budget + 1))
+                if n:
+                    prefill.append(Request(int(s), [1] * n, int(rng.integers(0, 64 - n))))
+                    budget -= n
+            if decode or prefill:
+                engine.step(engine.builder.build(decode, prefill))
+        for temperature, top_k, seed in ((0.0, None, 0), (1.0, 3, 1), (0.7, None, 2**32 - 1)):
+            lengths = rng.integers(1, 40, size=int(rng.integers(1, 7)))
+            engine.generate(
+                random_prompts(rng, m.cfg.vocab_size, lengths),
+                int(rng.integers(1, 5)),
+                temperature=temperature,
+                top_k=top_k,
+                seed=seed,
+            )
+    assert after_warmup == []
     assert engine.compile_count == compiled
 
 
@@ -153,21 +190,122 @@ def test_bad_top_k_is_rejected_before_any_step():
     assert engine.compile_count == 0
 
 
-def test_sampling_is_seeded_and_respects_top_k():
+def test_sampling_is_seeded_and_respects_top_k(small_engine):
     m = model()
     prompts = random_prompts(np.random.default_rng(5), m.cfg.vocab_size, (7, 4))
-    run = lambda seed: Engine(m, max_slots=2, max_len=32).generate(  # noqa: E731
+    run = lambda seed: small_engine.generate(  # noqa: E731
         prompts, 5, temperature=1.0, top_k=3, seed=seed
     )
     assert run(0) == run(0)
-    greedy = Engine(m, max_slots=2, max_len=32).generate(prompts, 5)
-    top1 = Engine(m, max_slots=2, max_len=32).generate(prompts, 5, temperature=0.7, top_k=1)
-    assert top1 == greedy
+    assert run(0) != run(1)
+    greedy = small_engine.generate(prompts, 5)
+    assert small_engine.generate(prompts, 5, temperature=0.7, top_k=1) == greedy
 
 
-def test_eos_stops_a_sequence_early():
+def test_sample_tokens_takes_temperature_and_top_k_per_row_as_data():
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+    top3 = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
+    greedy = np.argmax(np.asarray(logits), axis=-1)
+    temperature = jnp.asarray([0.0, 1.0, 1.0, 5.0, 0.0, 2.0], jnp.float32)
+    top_k = jnp.asarray([0, 3, 1, 3, 3, 0], jnp.int32)  # 0: no restriction
+    sample = jax.jit(sample_tokens)
+    draws = np.stack(
+        [np.asarray(sample(logits, jax.random.key(i), temperature, top_k)) for i in range(40)]
+    )
+    assert (draws[:, [0, 2, 4]] == greedy[[0, 2, 4]]).all()  # temperature 0 or top-1
+    for row in (1, 3):
+        assert set(draws[:, row]) <= set(top3[row]) and len(set(draws[:, row])) > 1
+    assert len(set(draws[:, 5])) > 3  # the whole vocabulary at temperature 2
+    with pytest.raises(ValueError, match="top_k"):
+        sample_tokens(logits, jax.random.key(0), 1.0, 0)
+
+
+def test_eos_stops_a_sequence_early(small_engine):
     m = model()
     prompt = random_prompts(np.random.default_rng(6), m.cfg.vocab_size, (9,))[0]
-    greedy = Engine(m, max_slots=1, max_len=32).generate([prompt], 6)[0]
-    stopped = Engine(m, max_slots=1, max_len=32).generate([prompt], 6, eos_id=greedy[2])[0]
+    greedy = small_engine.generate([prompt], 6)[0]
+    stopped = small_engine.generate([prompt], 6, eos_id=greedy[2])[0]
     assert stopped == greedy[: greedy.index(greedy[2]) + 1]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(max_slots=0), "max_slots"),
+        (dict(max_len=0), "max_len"),
+        (dict(token_budget=0), "token_budget"),
+        (dict(token_budget=16, token_buckets=(4, 8)), "token_buckets"),
+        (dict(token_buckets=(0, 8)), "token_buckets"),
+        (dict(max_slots=4, decode_buckets=(1, 2)), "decode_buckets"),
+        (dict(decode_buckets=()), "decode_buckets"),
+    ],
+)
+def test_engine_settings_are_checked_in_the_constructor(options, match):
+    settings = dict(max_slots=2, max_len=32, token_budget=8) | options
+    with pytest.raises(ValueError, match=match):
+        Engine(model(), **settings)
+
+
+def test_a_failed_or_interrupted_generate_gives_its_slots_back(small_engine, monkeypatch):
+    m = model()
+    prompts = random_prompts(np.random.default_rng(8), m.cfg.vocab_size, (5, 11, 3))
+    expected = small_engine.generate(prompts, 4)
+    for bad in (["ab"], [[1, 2], "ab"], [[1, 2.5]], [[1], [None]]):
+        with pytest.raises(ValueError, match="prompt"):
+            small_engine.generate(bad, 4)
+
+    # An interrupt in the middle of a generation, after slots were taken and steps run.
+    real_jitted, calls = small_engine._jitted, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_jitted(*args, **kwargs)
+
+    monkeypatch.setattr(small_engine, "_jitted", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        small_engine.generate(prompts, 4)
+    monkeypatch.setattr(small_engine, "_jitted", real_jitted)
+    assert small_engine.generate(prompts, 4) == expected
+
+
+def test_out_of_range_token_ids_are_rejected_before_any_step(small_engine):
+    vocab = model().cfg.vocab_size
+    prefill_before = small_engine.stats["prefill_tokens"]
+    for prompt, token in (([1, 2, vocab], vocab), ([3, -1], -1)):
+        with pytest.raises(ValueError, match=rf"token id {token} .*vocab_size={vocab}"):
+            small_engine.generate([[4, 5], prompt], 3)
+        with pytest.raises(ValueError, match=rf"token id {token} is outside"):
+            small_engine.builder.build([], [Request(0, prompt, 0)])
+    assert small_engine.stats["prefill_tokens"] == prefill_before
+    assert len(small_engine.generate([[4, 5], [vocab - 1]], 3)[1]) == 3
+
+
+def test_no_prompts_or_no_new_tokens_give_empty_results(small_engine):
+    assert small_engine.generate([], 4) == []
+    assert small_engine.generate([[1, 2], [3]], 0) == [[], []]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        small_engine.generate([[1, 2]], -1)
+
+
+def test_stats_split_decode_and_prefill_tokens_of_mixed_steps(small_engine):
+    before = dict(small_engine.stats)
+    mixed = small_engine.builder.build([Request(0, [5], 3)], [Request(1, [1] * 7, 0)])
+    small_engine.step(mixed)
+    delta = {k: small_engine.stats[k] - before[k] for k in before}
+    assert (delta["decode_tokens"], delta["prefill_tokens"]) == (1, 7)
+    assert delta["decode_seconds"] > 0
+    assert delta["prefill_seconds"] == pytest.approx(7 * delta["decode_seconds"])
+
+    # A generation with three prompts over two slots mixes decode rows and prefill chunks:
+    # every prompt token is prefill, every generated token but the last is fed back as a
+    # decode row.
+    prompts = random_prompts(np.random.default_rng(9), model().cfg.vocab_size, (6, 9, 4))
+    before = dict(small_engine.stats)
+    generated = small_engine.generate(prompts, 5)
+    assert small_engine.stats["prefill_tokens"] - before["prefill_tokens"] == 6 + 9 + 4
+    assert small_engine.stats["decode_tokens"] - before["decode_tokens"] == sum(
+        len(g) - 1 for g in generated
+    )

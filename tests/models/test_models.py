@@ -18,9 +18,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from flax_models.batch import make_forward_batch
+from flax_models.cache import init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
-from flax_models.model import HybridLM
+from flax_models.model import HybridLM, layer_implementation
 from pallas_kernels.testing import assert_close
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -232,3 +234,77 @@ def test_tiny_preset_runs_and_is_causal():
     np.testing.assert_allclose(
         np.asarray(logits[:, :10]), np.asarray(changed[:, :10]), rtol=1e-5, atol=1e-5
     )
+
+
+def test_model_implementation_names_a_backend_family():
+    assert layer_implementation("mosaic") == ("mosaic", "triton")
+    for name in ("auto", "xla", "triton"):
+        assert layer_implementation(name) == name
+    assert layer_implementation(["triton", "xla"]) == ("triton", "xla")
+    for bad in ("cuda", (), ("mosaic", "cuda")):
+        with pytest.raises(ValueError, match="implementation"):
+            layer_implementation(bad)
+
+
+def test_mosaic_model_runs_triton_where_mosaic_has_no_kernel():
+    """ "mosaic" is the Mosaic family: Mosaic kernels where an op has them, Triton elsewhere
+    (causal_conv1d has no Mosaic kernel). Off-Hopper that is Triton, in interpret mode on a
+    CPU, with the reference's logits."""
+    cfg = HybridConfig.tiny(layer_pattern="M*")  # one of each stateful layer: quick
+    ids = jax.random.randint(jax.random.key(1), (1, 7), 0, cfg.vocab_size)
+    mosaic = HybridLM(cfg, implementation="mosaic", rngs=nnx.Rngs(0))
+    xla = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(0))
+    assert mosaic.layers[0].mixer.implementation == ("mosaic", "triton")
+    assert_close(
+        jax.jit(mosaic.__call__)(ids),
+        jax.jit(xla.__call__)(ids),
+        rtol=1e-5,
+        name="mosaic-family logits",
+    )
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected():
+    model = HybridLM(HybridConfig.tiny(), implementation="xla", rngs=nnx.Rngs(0))
+    for ids in ([[1, 2, 256]], [[-1, 2, 3]]):
+        with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=256\)"):
+            model(jnp.asarray(ids))
+    with pytest.raises(ValueError, match="integer"):
+        model(jnp.ones((1, 3), jnp.float32))
+    with pytest.raises(ValueError, match=r"\[B, L\]"):
+        model(jnp.ones((3,), jnp.int32))
+
+
+def test_empty_inputs_give_empty_logits():
+    model = HybridLM(HybridConfig.tiny(), implementation="xla", rngs=nnx.Rngs(0))
+    for shape in ((2, 0), (0, 5)):
+        logits = model(jnp.zeros(shape, jnp.int32))
+        assert logits.shape == (*shape, 256) and logits.dtype == jnp.float32
+    assert jax.jit(model.__call__)(jnp.zeros((3, 0), jnp.int32)).shape == (3, 0, 256)
+
+
+def test_a_slot_outside_the_cache_is_padding_in_every_layer():
+    """Slot ids outside [0, S) read and write nothing (DESIGN §8), in the Mamba mixer too: a
+    continuing sequence there starts from no state, even with every cache line NaN."""
+    cfg = HybridConfig.tiny()
+    model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(0))
+    num_slots, length = 2, 8
+    lengths, computed, slots = [5, 3, 4], [0, 2, 0], [0, num_slots, 1]
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens = jax.random.randint(jax.random.key(2), (int(qsl[-1]),), 0, cfg.vocab_size)
+    caches = jax.tree.map(
+        lambda c: jnp.full_like(c, jnp.nan),
+        init_cache(cfg, num_slots=num_slots, max_len=length),
+    )
+
+    @jax.jit
+    def forward(tokens, qsl, computed, slots, caches):
+        batch = make_forward_batch(
+            qsl, computed, slots, num_tokens=tokens.shape[0], chunk_size=cfg.mamba_chunk_size
+        )
+        return model.forward(tokens, batch, caches)
+
+    logits, _ = forward(tokens, qsl, np.asarray(computed, np.int32), np.asarray(slots), caches)
+    assert np.isfinite(np.asarray(logits)).all()
+    # The padding sequence changes nothing for the others: same logits without it.
+    alone = np.asarray(model(tokens[None, :5]))[0]
+    assert_close(logits[:5], alone, rtol=1e-5, name="sequence beside a padding one")

@@ -1,0 +1,29 @@
+"""The package's public names and its packaging metadata."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import flax_models
+
+PYPROJECT = Path(__file__).parent.parent.parent / "pyproject.toml"
+
+
+def test_flax_models_reexports_its_public_api():
+    public = {"HybridConfig", "HybridLM", "load_hf_checkpoint", "Engine"}
+    assert public <= set(flax_models.__all__)
+    for name in flax_models.__all__:
+        assert getattr(flax_models, name) is not None, name
+    assert flax_models.Engine.__module__ == "flax_models.engine"
+    assert flax_models.HybridLM.__module__ == "flax_models.model"
+
+
+def test_license_is_an_spdx_expression_for_a_setuptools_that_reads_it():
+    """setuptools 77 reads PEP 639 SPDX expressions and deprecates the ``{text = ...}`` table."""
+    project = tomllib.loads(PYPROJECT.read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    (setuptools,) = [r for r in project["build-system"]["requires"] if r.startswith("setuptools")]
+    match = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools.replace(" ", ""))
+    assert match and int(match.group(1)) >= 77, setuptools
