@@ -27,7 +27,9 @@ def process_dt(
     if dt_softplus:
         # softplus(v) = log(1 + e^v), stable for large |v|.
         dt = jnp.logaddexp(dt, 0.0)
-    return jnp.clip(dt, dt_limit[0], dt_limit[1])
+    # NaN stays NaN: Triton's min/max on the GPU return the other operand, so a clamp alone
+    # would turn a NaN dt into a limit there and hide it (the references propagate it).
+    return jnp.where(jnp.isnan(dt), dt, jnp.clip(dt, dt_limit[0], dt_limit[1]))
 
 
 def silu(v: jax.Array) -> jax.Array:

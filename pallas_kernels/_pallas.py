@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # Triton's tensor-core dot needs every dimension >= 16.
 MIN_DOT_DIM = 16
@@ -19,11 +20,20 @@ def block_dim(n: int, minimum: int = 1) -> int:
     return max(next_power_of_2(n), minimum)
 
 
-def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
-    """``a @ b`` (optionally transposed operands) accumulated in fp32.
+def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    """Launch parameters of a Triton ``pallas_call``: warps per program and the
+    software-pipelining depth of its loops. Passing them also selects the Triton lowering
+    (jax 0.10's default GPU lowering was Mosaic GPU)."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
-    ``Precision.HIGHEST`` makes fp32 operands use IEEE fp32 (Triton would use tf32 by
-    default); bf16/fp16 operands run on the tensor cores either way.
+
+def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """``a @ b`` (either operand transposed) accumulated in fp32: every Triton kernel's dot.
+
+    Precision rule: ``Precision.HIGHEST`` for every operand dtype. Lowered through Triton,
+    fp32 operands then get IEEE fp32 products (Triton's default is tf32, ~3e-4 relative
+    error) and bf16/fp16 operands the tensor cores' native path, which precision does not
+    change: the same products ``matmul_precision`` asks XLA for in the references.
     """
     contract_a = 0 if trans_a else 1
     contract_b = 1 if trans_b else 0

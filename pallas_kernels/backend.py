@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, get_args
 
 import jax
+import numpy as np
 
 Implementation = Literal["auto", "xla", "triton", "mosaic"]
 IMPLEMENTATIONS: Final[tuple[str, ...]] = get_args(Implementation)
@@ -212,9 +213,11 @@ class Op:
                 and not isinstance(config, backend.config_type or ())
             ):
                 reason = (
-                    f"config of type {type(config).__name__} is not this backend's "
-                    f"({'none' if backend.config_type is None else backend.config_type.__name__})"
+                    f"config of type {_qualified_name(type(config))} is not this backend's "
+                    f"({_qualified_name(backend.config_type)})"
                 )
+            if reason is None and backend.name != "xla":
+                reason = _wide_float_reason(call)
             if reason is None:
                 reason = backend.supports(*call.args, **call.kwargs)
             if reason is None:
@@ -248,8 +251,45 @@ class Op:
             extra["config"] = config
         if backend.name == "triton":
             extra["interpret"] = selection.interpret
-        out = backend.fn(*call.args, **call.kwargs, **extra)
+        if backend.name == "xla":
+            out = backend.fn(*call.args, **call.kwargs, **extra)
+        else:
+            with pallas_dtypes():
+                out = backend.fn(*call.args, **call.kwargs, **extra)
         return out if call.finish is None else call.finish(out)
+
+
+def pallas_dtypes():
+    """Context manager: JAX's 32-bit dtype defaults, whatever ``jax_enable_x64`` says.
+
+    Pallas backends build their kernels inside it (:meth:`Op.run` does for the forward
+    pass; a backward pass that builds Pallas kernels must enter it too). Under x64, Python
+    ints would otherwise turn into int64 next to int32 program ids and loaded indices
+    (``lax.div`` and ref indexing then refuse to mix them), ``jnp.arange`` into int64 and
+    ``jnp.zeros`` into float64, and on the GPU the kernels' index arithmetic would run in
+    64 bits: inside it, a kernel is the same program with or without x64.
+    """
+    return jax.enable_x64(False)
+
+
+def _wide_float_reason(call: Call) -> str | None:
+    """Why Pallas kernels cannot serve ``call``: a float64 argument (possible under x64;
+    the kernels compute in fp32 from 16- and 32-bit inputs), or None."""
+    for leaf in jax.tree.leaves((call.args, call.kwargs)):
+        # Arrays, and dtype arguments (``state_dtype``).
+        candidate = leaf if isinstance(leaf, (np.dtype, type)) else getattr(leaf, "dtype", None)
+        try:
+            dtype = None if candidate is None else np.dtype(candidate)
+        except TypeError:
+            continue
+        if dtype is not None and dtype.kind in "fc" and dtype.itemsize >= 8:
+            return f"Pallas kernels take 16- and 32-bit floats, not {dtype.name}"
+    return None
+
+
+def _qualified_name(cls: type | None) -> str:
+    """``pallas_kernels.ssd.triton.BlockSizes``: every backend's config is a ``BlockSizes``."""
+    return "none" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def backend_for(op: Callable[..., Any], *args: Any, **kwargs: Any) -> str:

@@ -22,16 +22,25 @@ Typical use in a pytest numerics check::
 
 ``assert_close`` compares with the relative Frobenius error
 ``||actual - expected|| / ||expected||``: 1e-5 for float32 inputs, 2e-2 for bfloat16 or
-float16 inputs (:func:`tolerance_for`).
+float16 inputs (:func:`tolerance_for`). One norm over a whole array lets a few bad rows
+hide among many good ones (a garbage cache slot among hundreds of correct ones), so for
+caches and packed tokens compare each row on its own and check untouched slots bit for
+bit::
+
+    assert_close_per_row(y, y_ref, rtol=tolerance_for(x.dtype), name="y")  # each token
+    touched = slot_ids[slot_ids >= 0]
+    assert_close_per_row(new_cache[touched], cache_ref[touched], rtol=1e-5, name="cache")
+    assert_slots_untouched(new_cache, old_cache, touched, name="cache")
 
 Conventions shared by all oracles (DESIGN.md, sections 4 and 5):
 
 * Tokens are packed: sequence ``b`` owns rows ``query_start_loc[b]:query_start_loc[b+1]``.
   Rows outside every sequence come back as 0.
-* ``slot_ids`` index the first axis of a cache; ``-1`` marks a padding row or sequence:
-  nothing is read or written for it and its output rows are 0. Cache lines not named by
-  a slot id come back unchanged. If two rows name the same slot, each reads the cache as
-  passed in and the later row's write wins (kernels leave this case undefined).
+* ``slot_ids`` index the first axis of a cache; ``-1`` marks a padding row or sequence,
+  and so does any other id outside ``[0, S)`` (DESIGN.md §8): nothing is read or written
+  for it and its output rows are 0. Cache lines not named by a slot id come back
+  unchanged. If two rows name the same slot, each reads the cache as passed in and the
+  later row's write wins (kernels leave this case undefined).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import numpy as np
 
 __all__ = [
     "assert_close",
+    "assert_close_per_row",
+    "assert_slots_untouched",
     "attention_oracle",
     "causal_conv1d_oracle",
     "causal_conv1d_update_oracle",
@@ -278,7 +289,8 @@ def selective_state_update_oracle(
       A: ``A[H]``.
       B: ``B[Bd, G, N]``; head ``h`` uses group ``h // (H // G)``.
       C: ``C[Bd, G, N]``.
-      slot_ids: ``int[Bd]`` cache slot of each row; ``-1`` = padding row.
+      slot_ids: ``int[Bd]`` cache slot of each row; ``-1`` (or any id
+        outside ``[0, S)``) = padding row.
       D, z, dt_bias, dt_softplus, dt_limit: as in :func:`ssd_oracle` (``z[Bd, H, P]``).
 
     Returns:
@@ -315,10 +327,8 @@ def selective_state_update_oracle(
     new_cache = cache.copy()
     for r in range(Bd):
         slot = int(slots[r])
-        if slot == -1:
+        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
             continue
-        if not 0 <= slot < S:
-            raise ValueError(f"slot_ids[{r}] = {slot} outside [0, {S}) and not -1")
         s, y[r] = _ssm_step(
             cache[slot],
             x_[r],
@@ -372,7 +382,8 @@ def causal_conv1d_oracle(
       query_start_loc: ``int[B+1]`` packed sequence boundaries.
       conv_state_cache: ``conv_state_cache[S, K-1, dim]``; ``[s, j]`` is the input at
         time ``-(K-1) + j`` relative to the sequence's first new token.
-      slot_ids: ``int[B]`` cache slot per sequence; ``-1`` = padding sequence.
+      slot_ids: ``int[B]`` cache slot per sequence; ``-1`` (or any
+        id outside ``[0, S)``) = padding sequence.
       has_initial_state: ``bool[B]``; False reads zeros instead of the slot.
       activation: None or ``"silu"``.
 
@@ -407,10 +418,8 @@ def causal_conv1d_oracle(
     new_cache = cache.copy()
     for b, (start, end) in enumerate(bounds):
         slot = int(slots[b])
-        if slot == -1:
+        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
             continue
-        if not 0 <= slot < S:
-            raise ValueError(f"slot_ids[{b}] = {slot} outside [0, {S}) and not -1")
         history = cache[slot] if has_init[b] else np.zeros((K - 1, dim))
         xin = np.concatenate([history, x_[start:end]], axis=0)  # xin[K-1+i] = token i
         for i, t in enumerate(range(start, end)):
@@ -436,7 +445,8 @@ def causal_conv1d_update_oracle(
       conv_state_cache: ``conv_state_cache[S, K-1, dim]``, oldest column first.
       weight: ``weight[dim, K]``.
       bias: ``bias[dim]`` or None.
-      slot_ids: ``int[Bd]`` cache slot per row; ``-1`` = padding row.
+      slot_ids: ``int[Bd]`` cache slot per row; ``-1`` (or any id
+        outside ``[0, S)``) = padding row.
       activation: None or ``"silu"``.
 
     Returns:
@@ -468,10 +478,8 @@ def causal_conv1d_update_oracle(
     new_cache = cache.copy()
     for r in range(Bd):
         slot = int(slots[r])
-        if slot == -1:
+        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
             continue
-        if not 0 <= slot < S:
-            raise ValueError(f"slot_ids[{r}] = {slot} outside [0, {S}) and not -1")
         state = cache[slot].copy()  # [K-1, dim]
         for i in range(L):
             window = np.concatenate([state, xs[r, i][None, :]], axis=0)  # [K, dim]
@@ -511,7 +519,8 @@ def attention_oracle(
       v_cache: ``v_cache[S, L, Hkv, D]``.
       query_start_loc: ``int[B+1]`` packed sequence boundaries.
       kv_lens: ``int[B]`` valid keys per sequence, this step's tokens included.
-      slot_ids: ``int[B]`` cache slot per sequence; ``-1`` = padding sequence.
+      slot_ids: ``int[B]`` cache slot per sequence; ``-1`` (or any
+        id outside ``[0, S)``) = padding sequence.
       causal: mask keys after the query's position.
       sm_scale: softmax scale; ``D ** -0.5`` when None.
       sliding_window: window size ``W`` or None.
@@ -544,10 +553,8 @@ def attention_oracle(
     out = np.zeros((T, Hq, Dh))
     for b, (start, end) in enumerate(bounds):
         slot = int(slots[b])
-        if slot == -1:
+        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
             continue
-        if not 0 <= slot < S:
-            raise ValueError(f"slot_ids[{b}] = {slot} outside [0, {S}) and not -1")
         kv_len = min(int(lens[b]), L)
         q_len = end - start
         for i in range(q_len):
@@ -580,8 +587,8 @@ def write_kv_oracle(
     """Write this step's keys/values into the cache.
 
     Token ``i`` of sequence ``b`` goes to position ``kv_lens[b] - q_len[b] + i`` of slot
-    ``slot_ids[b]``. Padding sequences (slot ``-1``) write nothing; positions outside
-    ``[0, L)`` are dropped.
+    ``slot_ids[b]``. Padding sequences (slot ``-1`` or any id outside ``[0, S)``) write
+    nothing; positions outside ``[0, L)`` are dropped.
 
     Args:
       k_cache: ``k_cache[S, L, Hkv, D]``.
@@ -614,10 +621,8 @@ def write_kv_oracle(
 
     for b, (start, end) in enumerate(bounds):
         slot = int(slots[b])
-        if slot == -1:
+        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
             continue
-        if not 0 <= slot < S:
-            raise ValueError(f"slot_ids[{b}] = {slot} outside [0, {S}) and not -1")
         q_len = end - start
         for i in range(q_len):
             pos = int(lens[b]) - q_len + i
@@ -764,6 +769,107 @@ def assert_close(
     raise AssertionError(
         f"{name}: relative error {err:.3e} > rtol {rtol:.1e} (shape {a.shape}); "
         f"{what} at index {idx}: actual {float(a[idx])!r}, expected {float(e[idx])!r}"
+    )
+
+
+def assert_close_per_row(
+    actual: ArrayLike,
+    expected: ArrayLike,
+    *,
+    rtol: float,
+    axis: int = 0,
+    atol: float = 0.0,
+    name: str = "output",
+) -> None:
+    """Assert each entry along ``axis`` (a token row, a cache slot) is close on its own.
+
+    Entry ``i`` passes when ``||actual[i] - expected[i]|| <= rtol * ||expected[i]|| + atol``
+    (Frobenius norms over the other axes, non-finite entries as in :func:`relative_error`:
+    a non-finite ``actual`` where ``expected`` is finite fails). An all-zero expected entry
+    must then come back within ``atol`` (exactly 0 by default), as padding rows do.
+
+    Unlike :func:`assert_close`, one wrong row cannot hide behind the norm of the others.
+    The message names ``name``, how many entries fail, and the worst entry with its
+    relative error and worst element.
+    """
+    a, e = _f64(actual), _f64(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"{name}: shape mismatch: actual {a.shape}, expected {e.shape}")
+    if a.ndim == 0:
+        raise ValueError(f"{name}: per-row comparison needs at least one axis")
+    a, e = np.moveaxis(a, axis, 0), np.moveaxis(e, axis, 0)
+    n = a.shape[0]
+    errors = np.zeros(n)  # (diff - atol) / ref: > rtol fails, inf for a non-finite miss
+    for i in range(n):
+        ai, ei = a[i], e[i]
+        err = relative_error(ai, ei)  # checks non-finite entries
+        if err != float("inf"):
+            finite = np.isfinite(ei)
+            diff = float(np.linalg.norm((ai - ei)[finite]))
+            ref = float(np.linalg.norm(ei[finite]))
+            excess = max(diff - atol, 0.0)
+            err = 0.0 if excess == 0.0 else excess / max(ref, np.finfo(np.float64).tiny)
+        errors[i] = err
+    bad = np.flatnonzero(errors > rtol)
+    if bad.size == 0:
+        return
+    worst = int(bad[np.argmax(errors[bad])])
+    try:
+        assert_close(a[worst], e[worst], rtol=0.0, name="")
+        detail = ""
+    except AssertionError as failure:
+        detail = str(failure).split("; ", 1)[-1]
+    raise AssertionError(
+        f"{name}: {bad.size} of {n} entries along axis {axis} exceed rtol {rtol:.1e} "
+        f"(atol {atol:.1e}): {bad[:16].tolist()}{' ...' if bad.size > 16 else ''}; "
+        f"worst is entry {worst}, relative error {errors[worst]:.3e}; {detail}"
+    )
+
+
+def assert_slots_untouched(
+    new_cache: ArrayLike,
+    old_cache: ArrayLike,
+    touched_slots: ArrayLike,
+    *,
+    name: str = "cache",
+) -> None:
+    """Assert every slot (entry of the first axis) not in ``touched_slots`` is bit-identical.
+
+    Compares raw bytes, so NaN payloads, signed zeros and bf16 values count: what a kernel
+    must leave alone (slots no row names, slots of padding rows) comes back exactly as it
+    went in. ``touched_slots`` may hold -1 and other ids outside ``[0, S)`` (padding); they
+    name no slot. Dtypes and shapes must match.
+    """
+    new, old = np.asarray(new_cache), np.asarray(old_cache)
+    if new.dtype != old.dtype or new.shape != old.shape:
+        raise AssertionError(
+            f"{name}: came back as {new.dtype}{list(new.shape)}, "
+            f"went in as {old.dtype}{list(old.shape)}"
+        )
+    if new.ndim == 0:
+        raise ValueError(f"{name}: a slot-indexed cache needs at least one axis")
+    num_slots = new.shape[0]
+    touched = {int(s) for s in np.asarray(touched_slots).reshape(-1) if 0 <= s < num_slots}
+    changed = [
+        s for s in range(num_slots) if s not in touched and new[s].tobytes() != old[s].tobytes()
+    ]
+    if not changed:
+        return
+    first = changed[0]
+    a = np.ascontiguousarray(new[first]).reshape(-1)
+    b = np.ascontiguousarray(old[first]).reshape(-1)
+    width = new.dtype.itemsize
+    element = int(
+        np.flatnonzero(
+            np.any(a.view(np.uint8).reshape(-1, width) != b.view(np.uint8).reshape(-1, width), 1)
+        )[0]
+    )
+    index = tuple(int(i) for i in np.unravel_index(element, new.shape[1:]))
+    raise AssertionError(
+        f"{name}: {len(changed)} untouched slot(s) changed: {changed[:16]}"
+        f"{' ...' if len(changed) > 16 else ''}; slot {first} at {index}: "
+        f"now {float(a[element])!r} (0x{a[element : element + 1].tobytes().hex()}), "
+        f"was {float(b[element])!r} (0x{b[element : element + 1].tobytes().hex()})"
     )
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.backend import Op, supports_mosaic
+from pallas_kernels.testing import assert_close_per_row, assert_slots_untouched
 
 
 def implementations(op: Op) -> list[str]:
@@ -48,6 +49,60 @@ def assert_bit_identical(actual, expected, name: str) -> None:
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
     assert actual.tobytes() == expected.tobytes(), f"{name} changed"
+
+
+def poison_slots(cache, keep) -> jax.Array:
+    """A copy of ``cache[S, ...]`` (same dtype) with every slot not in ``keep`` NaN: a kernel
+    that reads a slot it must not shows NaN, one that writes it breaks bit-identity."""
+    cache = jnp.asarray(cache)
+    keep = {int(s) for s in np.asarray(keep).reshape(-1) if 0 <= s < cache.shape[0]}
+    poisoned = np.array([s not in keep for s in range(cache.shape[0])])
+    shape = (-1,) + (1,) * (cache.ndim - 1)
+    return jnp.where(jnp.asarray(poisoned).reshape(shape), jnp.nan, cache).astype(cache.dtype)
+
+
+def check_slot_cache(new_cache, old_cache, expected, touched, *, rtol: float, name: str) -> None:
+    """A slot-indexed cache after an op: each slot in ``touched`` (ids outside ``[0, S)``
+    ignored) within ``rtol`` of ``expected`` on its own, every other slot bit-identical to
+    ``old_cache``."""
+    num_slots = np.asarray(old_cache).shape[0]
+    rows = sorted({int(s) for s in np.asarray(touched).reshape(-1) if 0 <= s < num_slots})
+    assert_close_per_row(
+        as_f32(new_cache)[rows], np.asarray(expected)[rows], rtol=rtol, name=f"{name} slots {rows}"
+    )
+    assert_slots_untouched(new_cache, old_cache, rows, name=name)
+
+
+def out_of_range_slot_ids(num_slots: int) -> tuple[int, ...]:
+    """Slot ids every op treats as padding (-1): past the cache and below -1, including ids
+    that would wrap (-2 → S-2) or clamp (S+3 → S-1) onto a real slot."""
+    return (num_slots, num_slots + 3, -2, -7)
+
+
+def check_out_of_range_slots_are_padding(
+    run: Callable[[np.ndarray], tuple[Sequence, Sequence]],
+    slot_ids: Sequence[int],
+    row: int,
+    *,
+    num_slots: int,
+) -> tuple[Sequence, Sequence]:
+    """``run(slot_ids) -> (outputs, caches)``: with ``slot_ids[row]`` replaced by each of
+    :func:`out_of_range_slot_ids`, every output and cache is bit-identical to the run with
+    ``slot_ids[row] = -1`` (so the row's outputs are the padding row's, other rows are
+    unaffected, and nothing is read from or written to any slot for it). Returns the
+    ``-1`` run's results for the caller's own checks (zero rows, untouched slots)."""
+    padded = np.array(slot_ids, np.int32)
+    padded[row] = -1
+    outputs, caches = run(padded)
+    for bad in out_of_range_slot_ids(num_slots):
+        ids = padded.copy()
+        ids[row] = bad
+        bad_outputs, bad_caches = run(ids)
+        for i, (got, want) in enumerate(zip(bad_outputs, outputs, strict=True)):
+            assert_bit_identical(got, want, f"output {i} with slot id {bad}")
+        for i, (got, want) in enumerate(zip(bad_caches, caches, strict=True)):
+            assert_bit_identical(got, want, f"cache {i} with slot id {bad}")
+    return outputs, caches
 
 
 def poison_tail(cache: np.ndarray, slot_ids, lengths) -> np.ndarray:

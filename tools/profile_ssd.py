@@ -29,20 +29,11 @@ def main() -> None:
     parser.add_argument("--problem", default="bamba-uniform")
     args = parser.parse_args()
     p = next(q for q in prefill_problems(False) if q.name == args.problem)
-    T, H, P, N, G = sum(p.lengths), p.heads, p.head_dim, p.state_dim, p.groups
+    T, H, P, N = sum(p.lengths), p.heads, p.head_dim, p.state_dim
     inputs = prefill_inputs(p)  # the benchmark's own arrays
     x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
     D, dt_bias, md = inputs["D"], inputs["dt_bias"], inputs["metadata"]
-    s = ssd_triton._Shapes(
-        num_tokens=T,
-        heads=H,
-        head_dim=P,
-        groups=G,
-        state_dim=N,
-        num_seqs=len(p.lengths),
-        max_chunks=md.max_chunks,
-        chunk_size=p.chunk_size,
-    )
+    s = ssd_triton.ScanShapes.of(x, B, md)
     blocks = ssd_triton.default_block_sizes(p.chunk_size, P, N)
     cu = md.cu_chunk_seqlens
     Dp = jnp.broadcast_to(D[:, None], (H, P))

@@ -1,6 +1,6 @@
 """Bookkeeping shared by the attention backends: token → sequence layout (reference,
 KV-cache writes, decode), the prefill work table and its launch order, and the mask and
-scale operands.
+scale operands with the jitted call that every kernel backend runs (:func:`jit_attention`).
 
 Example: ``query_start_loc = [0, 3, 4]``, ``kv_lens = [5, 9]`` (T = 5, the last row is
 bucket padding)::
@@ -14,6 +14,8 @@ bucket padding)::
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable, Hashable
 from typing import Final
 
 import jax
@@ -155,6 +157,40 @@ def band_operand(causal: bool | jax.Array, sliding_window: int | jax.Array | Non
     left = NO_WINDOW if sliding_window is None else sliding_window
     right = jnp.where(causal, 0, NO_WINDOW)
     return jnp.stack([jnp.asarray(left, jnp.int32), right.astype(jnp.int32)])
+
+
+def jit_attention(
+    kernel: Callable[..., jax.Array],
+    *arrays: jax.Array,
+    causal: bool,
+    sm_scale: float,
+    sliding_window: int | None,
+    static: dict[str, Hashable],
+    **batch: jax.Array,
+) -> jax.Array:
+    """What a backend's ``masked_tail_attention`` runs: ``kernel(*arrays, **batch,
+    causal=..., sm_scale=..., sliding_window=..., **static)`` under ``jax.jit``.
+
+    ``arrays`` (``q``, the caches) and ``batch`` (``query_start_loc``, ``kv_lens``,
+    ``slot_ids``) are operands. ``causal``, ``sm_scale`` and ``sliding_window`` reach
+    ``kernel`` as scalar operands too (bool[], fp32[], int32[] with ``NO_WINDOW`` for no
+    window), so one compiled program per shape serves every mask and scale: changing them
+    does not recompile. ``kernel`` and ``static`` (block sizes, ``interpret``) are
+    compile-time constants.
+    """
+    mask = dict(
+        causal=jnp.asarray(causal),
+        sm_scale=jnp.asarray(sm_scale, jnp.float32),
+        sliding_window=jnp.asarray(
+            NO_WINDOW if sliding_window is None else sliding_window, jnp.int32
+        ),
+    )
+    return _jitted(kernel, arrays, batch | mask, static=tuple(sorted(static.items())))
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "static"))
+def _jitted(kernel, arrays, operands, *, static) -> jax.Array:
+    return kernel(*arrays, **operands, **dict(static))
 
 
 def is_decode_shaped(num_tokens: int, num_seqs: int) -> bool:

@@ -49,9 +49,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import checked_slots
 from pallas_kernels.attention._layout import (
-    NO_WINDOW,
     band_operand,
     is_decode_shaped,
+    jit_attention,
     scale_operand,
 )
 from pallas_kernels.backend import device_num_sms
@@ -74,12 +74,6 @@ _TMA_ROWS: Final = 8
 
 # Thread blocks of one head group, in waves of one block per SM (BlockSizes.head_group).
 _WAVES_PER_HEAD_GROUP: Final = 4
-
-# Columns of the per-item plan (int32[num_items, _PLAN_COLUMNS]).
-_ROW0, _FIRST0, _FIRST1, _LIVE0, _LIVE1, _ATTEND, _SLOT, _KV_LEN, _POS0 = range(9)
-_KV_LO, _KV_HI = 9, 10
-_BOUNDS = 11  # 4 block bounds per consumer: lo, mid_lo, mid_hi, hi
-_PLAN_COLUMNS: Final = _BOUNDS + 4 * _CONSUMERS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,6 +141,38 @@ def check_block_sizes(config: BlockSizes, *, num_q_heads: int) -> None:
         )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernel's work, one entry per item in launch order (built by :func:`plan`).
+
+    An item is ``_CONSUMERS * block_q`` query rows starting at ``row0``; consumer ``c``
+    reads rows ``row0 + c * block_q + [0, block_q)`` (positions ``pos0 + c * block_q + i``)
+    and stores rows ``[first, first + live)`` of them. The producer loads the KV blocks
+    ``[kv_lo, kv_hi)``; of those, a consumer computes ``[lo_blk, mid_lo)`` and
+    ``[mid_hi, hi_blk)`` with a mask and ``[mid_lo, mid_hi)`` without, and only releases
+    the others (blocks the other consumer needs). All fields are int32: ``[I]`` per item,
+    ``[I, C]`` per item and consumer (``C = _CONSUMERS``).
+    """
+
+    row0: jax.Array  # [I] first packed query row, a multiple of 8 (TMA tile rows)
+    slot: jax.Array  # [I] cache slot; -1: nothing to attend to (the rows are stored as 0)
+    kv_len: jax.Array  # [I] keys of the item's sequence (0 when slot = -1)
+    pos0: jax.Array  # [I] position of row row0 in the item's sequence
+    kv_lo: jax.Array  # [I] first KV block the producer loads
+    kv_hi: jax.Array  # [I] one past the last (kv_lo = kv_hi: none)
+    first: jax.Array  # [I, C] first stored row of the consumer's block_q rows
+    live: jax.Array  # [I, C] rows the consumer stores
+    lo_blk: jax.Array  # [I, C] first KV block the consumer computes
+    mid_lo: jax.Array  # [I, C] first of its unmasked blocks
+    mid_hi: jax.Array  # [I, C] one past the last unmasked block
+    hi_blk: jax.Array  # [I, C] one past the last computed block
+
+    @property
+    def num_items(self) -> int:
+        return self.row0.shape[0]
+
+
 def plan(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
@@ -158,22 +184,18 @@ def plan(
     cache_len: int,
     block_q: int,
     block_k: int,
-) -> jax.Array:
-    """Per-item plan of the kernel, int32[num_items, _PLAN_COLUMNS], in launch order
-    (jittable, no host sync).
+) -> Plan:
+    """The kernel's :class:`Plan` (jittable, no host sync).
 
     Segments are the sequences' rows plus the bucket rows past the last one (zeroed).
     A segment's items are ``_CONSUMERS * block_q``-row blocks starting at its first row
     rounded down to a multiple of 8 (TMA reads query tiles at tile-aligned rows), so an
     item's first rows may belong to the previous segment: they are computed and dropped.
-    Consumer ``c`` reads rows ``row0 + c * block_q + [0, block_q)`` (positions
-    ``pos0 + c * block_q + i``) and stores rows ``[first_c, first_c + live_c)`` of them.
-    Its keys ``[lo, hi)`` are visible to some stored row and ``[full_lo, full_hi)`` to
-    every one; in KV blocks: ``[lo_blk, mid_lo)`` and ``[mid_hi, hi_blk)`` are masked,
-    ``[mid_lo, mid_hi)`` unmasked. The producer loads the union ``[kv_lo, kv_hi)`` of the
-    consumers' blocks; a consumer releases the blocks of the union outside its own. Items
-    are sorted by their number of KV blocks, longest first (the GPU starts the longest
-    thread blocks first and ends on short ones).
+    A consumer's keys ``[lo, hi)`` are visible to some row it stores and
+    ``[full_lo, full_hi)`` to every one: its blocks ``[lo_blk, hi_blk)`` cover the former,
+    its unmasked blocks ``[mid_lo, mid_hi)`` lie inside the latter. The producer loads the
+    union of the consumers' blocks. Items are sorted by their number of KV blocks, longest
+    first (the GPU starts the longest thread blocks first and ends on short ones).
     """
     item_rows = _CONSUMERS * block_q
     num_seqs = slot_ids.shape[0]
@@ -197,44 +219,53 @@ def plan(
     pos0 = row0 + (kv_lens - q_len - query_start_loc[:-1])[seq]
     kv_len = jnp.where(attend, jnp.clip(kv_lens, 0, cache_len)[seq], 0)
     left, right = band[0], band[1]
-    columns = {_ROW0: row0, _ATTEND: attend, _SLOT: slot, _KV_LEN: kv_len, _POS0: pos0}
-    union_lo = jnp.full_like(row0, jnp.iinfo(jnp.int32).max)
-    union_hi = jnp.zeros_like(row0)
-    bounds = []
-    for c in range(_CONSUMERS):
-        tile_row = row0 + c * block_q
-        first = jnp.clip(seg_start[seg] - tile_row, 0, block_q)
-        live = jnp.where(used, jnp.clip(seg_end[seg] - tile_row, 0, block_q) - first, 0)
-        live = jnp.maximum(live, 0)
-        columns[_FIRST0 + c], columns[_LIVE0 + c] = first, live
-        pos_first = pos0 + c * block_q + first
-        pos_last = pos_first + live - 1
-        lo = jnp.maximum(pos_first - left + 1, 0)
-        hi = jnp.clip(pos_last + right + 1, 0, kv_len)
-        full_lo = jnp.maximum(pos_last - left + 1, 0)
-        full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
-        works = attend & (live > 0) & (hi > lo)
-        lo_blk = lo // block_k
-        hi_blk = jnp.where(works, pl.cdiv(hi, block_k), lo_blk)
-        mid_lo = jnp.clip(pl.cdiv(full_lo, block_k), lo_blk, hi_blk)
-        mid_hi = jnp.clip(full_hi // block_k, mid_lo, hi_blk)
-        union_lo = jnp.where(works, jnp.minimum(union_lo, lo_blk), union_lo)
-        union_hi = jnp.where(works, jnp.maximum(union_hi, hi_blk), union_hi)
-        bounds.append((works, (lo_blk, mid_lo, mid_hi, hi_blk)))
-    union_lo = jnp.minimum(union_lo, union_hi)  # no working consumer: an empty union
-    columns[_KV_LO], columns[_KV_HI] = union_lo, union_hi
-    for c, (works, blocks) in enumerate(bounds):
-        for i, b in enumerate(blocks):
-            # An idle consumer releases every block: its bounds collapse onto kv_hi.
-            columns[_BOUNDS + 4 * c + i] = jnp.where(works, b, union_hi)
-    table = jnp.stack([columns[i].astype(jnp.int32) for i in range(_PLAN_COLUMNS)], axis=1)
+    # Per item and consumer ([I, C]): the consumer's rows, stored rows and KV blocks.
+    offset = jnp.arange(_CONSUMERS, dtype=jnp.int32) * block_q  # of its rows in the item
+    tile_row = row0[:, None] + offset
+    first = jnp.clip(seg_start[seg][:, None] - tile_row, 0, block_q)
+    live = jnp.where(
+        used[:, None], jnp.clip(seg_end[seg][:, None] - tile_row, 0, block_q) - first, 0
+    )
+    live = jnp.maximum(live, 0)
+    pos_first = pos0[:, None] + offset + first
+    pos_last = pos_first + live - 1
+    lo = jnp.maximum(pos_first - left + 1, 0)
+    hi = jnp.clip(pos_last + right + 1, 0, kv_len[:, None])
+    full_lo = jnp.maximum(pos_last - left + 1, 0)
+    full_hi = jnp.clip(pos_first + right + 1, 0, kv_len[:, None])
+    works = attend[:, None] & (live > 0) & (hi > lo)
+    lo_blk = lo // block_k
+    hi_blk = jnp.where(works, pl.cdiv(hi, block_k), lo_blk)
+    mid_lo = jnp.clip(pl.cdiv(full_lo, block_k), lo_blk, hi_blk)
+    mid_hi = jnp.clip(full_hi // block_k, mid_lo, hi_blk)
+    # The union of the working consumers' blocks; empty when none works.
+    kv_hi = jnp.max(jnp.where(works, hi_blk, 0), axis=1)
+    kv_lo = jnp.minimum(jnp.min(jnp.where(works, lo_blk, jnp.iinfo(jnp.int32).max), axis=1), kv_hi)
+
+    def own_or_release(blocks):  # an idle consumer's bounds collapse onto kv_hi
+        return jnp.where(works, blocks, kv_hi[:, None])
+
+    item_plan = Plan(
+        row0=row0,
+        slot=slot,
+        kv_len=kv_len,
+        pos0=pos0,
+        kv_lo=kv_lo,
+        kv_hi=kv_hi,
+        first=first,
+        live=live,
+        lo_blk=own_or_release(lo_blk),
+        mid_lo=own_or_release(mid_lo),
+        mid_hi=own_or_release(mid_hi),
+        hi_blk=own_or_release(hi_blk),
+    )
     # Longest first; items that store nothing last.
-    cost = jnp.where(used, union_hi - union_lo, -1)
-    return table[jnp.argsort(-cost, stable=True)]
+    order = jnp.argsort(-jnp.where(used, kv_hi - kv_lo, -1), stable=True)
+    return jax.tree.map(lambda field: field.astype(jnp.int32)[order], item_plan)
 
 
 def _kernel(
-    plan_ref,  # [num_items, _PLAN_COLUMNS] int32
+    plan: Plan,  # a Plan of int32 refs, [num_items] or [num_items, _CONSUMERS] each
     scale_ref,  # [1] fp32: sm_scale * log2(e)
     band_ref,  # [2] int32: (left, right)
     q_ref,  # [T, Hq, D]
@@ -262,11 +293,8 @@ def _kernel(
         wg = lax.axis_index("wg")
         kv_head = head // group
 
-        def entry(column):
-            return plan_ref[item, column]
-
-        kv_lo, kv_hi = entry(_KV_LO), entry(_KV_HI)
-        slot = jnp.maximum(entry(_SLOT), 0)
+        kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
+        slot = jnp.maximum(plan.slot[item], 0)
 
         def kv_tile(ref, j):
             return ref.at[slot, pl.ds(j * block_k, block_k), kv_head]
@@ -293,17 +321,17 @@ def _kernel(
         def _consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             c = wg
-            row0 = entry(_ROW0) + c * block_q
-            first = jnp.where(c == 0, entry(_FIRST0), entry(_FIRST1))
-            live = jnp.where(c == 0, entry(_LIVE0), entry(_LIVE1))
-            attend = entry(_ATTEND) != 0
-            kv_len = entry(_KV_LEN)
-            pos0 = entry(_POS0) + c * block_q
 
-            def bound(i):
-                return jnp.where(c == 0, entry(_BOUNDS + i), entry(_BOUNDS + 4 + i))
+            def own(field):  # this consumer's entry of an [I, C] field
+                return jnp.where(c == 0, field[item, 0], field[item, 1])
 
-            lo_blk, mid_lo, mid_hi, hi_blk = (bound(i) for i in range(4))
+            row0 = plan.row0[item] + c * block_q
+            first, live = own(plan.first), own(plan.live)
+            attend = plan.slot[item] >= 0
+            kv_len = plan.kv_len[item]
+            pos0 = plan.pos0[item] + c * block_q
+            lo_blk, mid_lo = own(plan.lo_blk), own(plan.mid_lo)
+            mid_hi, hi_blk = own(plan.mid_hi), own(plan.hi_blk)
             q_tile, o_tile = q_smem.at[c], o_smem.at[c]
             left, right = band_ref[0], band_ref[1]
             qk_scale = scale_ref[0]
@@ -470,7 +498,7 @@ def prefill_attention(
         head_group = default_head_group(
             num_q_heads=num_q_heads,
             group=group,
-            num_items=item_plan.shape[0],
+            num_items=item_plan.num_items,
             num_sms=device_num_sms(),
         )
     elif num_q_heads % b.head_group:
@@ -489,7 +517,7 @@ def prefill_attention(
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         # The last axis varies fastest: the heads of a group (query heads sharing a KV
         # head are adjacent) side by side, then items longest first, then groups.
-        grid=(num_q_heads // head_group, item_plan.shape[0], head_group),
+        grid=(num_q_heads // head_group, item_plan.num_items, head_group),
         grid_names=("head_group", "item", "head"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
@@ -515,36 +543,10 @@ def masked_tail_attention(
 ) -> jax.Array:
     """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated and
     :func:`supports` takes the call (prefill batches: bf16/fp16, head dim 64 or 128, T and L
-    multiples of 8)."""
-    return _attention(
-        q,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        kv_lens,
-        slot_ids,
-        jnp.asarray(causal),
-        jnp.asarray(sm_scale, jnp.float32),
-        jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32),
-        config=config,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def _attention(
-    q,
-    k_cache,
-    v_cache,
-    query_start_loc,
-    kv_lens,
-    slot_ids,
-    causal,
-    sm_scale,
-    window,
-    *,
-    config,
-):
-    return prefill_attention(
+    multiples of 8). ``causal``, ``sm_scale`` and ``sliding_window`` reach the compiled
+    program as data (:func:`~pallas_kernels.attention._layout.jit_attention`)."""
+    return jit_attention(
+        prefill_attention,
         q,
         k_cache,
         v_cache,
@@ -553,6 +555,6 @@ def _attention(
         slot_ids=slot_ids,
         causal=causal,
         sm_scale=sm_scale,
-        sliding_window=window,
-        block_sizes=config,
+        sliding_window=sliding_window,
+        static=dict(block_sizes=config),
     )

@@ -86,12 +86,18 @@ def masked_tail_attention(
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
         p = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
         denom = jnp.sum(p, axis=-1, keepdims=True)
+        # Inside the matmul 0 · NaN is NaN: a value some rows do not see (causally later,
+        # outside the window) would reach them through their p = 0. Non-finite values
+        # enter it as 0, and the rows that see one (per head dim) get NaN there.
+        v_finite = jnp.isfinite(v)
         o = jnp.einsum(
             "hrtl,lhd->thrd",
             p / jnp.maximum(denom, jnp.finfo(f32).tiny),
-            v,
+            jnp.where(v_finite, v, 0.0),
             precision=matmul_precision(f32),
         )
+        seen = jnp.einsum("tl,lhd->thd", visible.astype(f32), (~v_finite).astype(f32)) > 0
+        o = jnp.where(seen[:, :, None, :], jnp.nan, o)
         o = o.reshape(block_q, num_q_heads, head_dim).astype(q.dtype)
         # Rows past the sequence belong to the next block: keep what is there.
         old = jax.lax.dynamic_slice_in_dim(out, row0, block_q)

@@ -43,9 +43,9 @@ Launches:
 in place through ``input_output_aliases``.
 
 The mask (causal, window) and the logit scale are operands, not compile-time constants
-(see ``NO_WINDOW``). Cache entries outside ``[0, kv_len)`` are loaded with ``other=0``
-masks (never read), so NaN in cache tails or unnamed slots never reaches an output. Rows
-with no visible key, rows of slot ``-1`` sequences and packed rows past
+(see ``_layout.NO_WINDOW``). Cache entries outside ``[0, kv_len)`` are loaded with
+``other=0`` masks (never read), so NaN in cache tails or unnamed slots never reaches an
+output. Rows with no visible key, rows of slot ``-1`` sequences and packed rows past
 ``query_start_loc[-1]`` are 0. Head dims are padded to a power of two (at least 16, the
 smallest Triton dot dimension) and masked. Offsets into arrays over 4 GiB are 64-bit (the
 Pallas Triton lowering switches on the array size).
@@ -62,12 +62,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import checked_slots, matmul_precision
-from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, next_power_of_2
+from pallas_kernels._common import checked_slots
+from pallas_kernels._pallas import (
+    MIN_DOT_DIM,
+    block_dim,
+    compiler_params,
+    dot,
+    next_power_of_2,
+    static_index,
+)
 from pallas_kernels.attention._layout import (
-    NO_WINDOW,
     band_operand,
     is_decode_shaped,
+    jit_attention,
     prefill_schedule,
     prefill_table,
     scale_operand,
@@ -132,8 +139,8 @@ class BlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shapes:
-    """Static sizes of one call."""
+class _AttentionShapes:
+    """Static sizes of one call: ``q[T, Hq, D]``, caches ``[S, L, Hkv, D]``, B sequences."""
 
     num_tokens: int  # T
     num_q_heads: int  # Hq
@@ -142,6 +149,20 @@ class _Shapes:
     num_slots: int  # S
     cache_len: int  # L
     num_seqs: int  # B
+
+    @classmethod
+    def of(cls, q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> _AttentionShapes:
+        num_tokens, num_q_heads, head_dim = q.shape
+        num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+        return cls(
+            num_tokens=num_tokens,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_slots=num_slots,
+            cache_len=cache_len,
+            num_seqs=query_start_loc.shape[0] - 1,
+        )
 
     @property
     def group(self) -> int:  # query heads per KV head
@@ -154,25 +175,6 @@ class _Shapes:
     @property
     def block_d(self) -> int:  # the head dim padded to a power of two >= 16
         return block_dim(self.head_dim, MIN_DOT_DIM)
-
-
-def _compiler_params(num_warps: int, num_stages: int):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """``a @ b`` (``b`` transposed with ``trans_b``) accumulated in fp32.
-
-    bf16/fp16 operands take the tensor cores' native path (default precision); fp32
-    operands ask for IEEE fp32 products (``HIGHEST``), where Triton would use tf32.
-    """
-    return jax.lax.dot_general(
-        a,
-        b,
-        (((1,), (1 if trans_b else 0,)), ((), ())),
-        precision=matmul_precision(a.dtype),
-        preferred_element_type=jnp.float32,
-    )
 
 
 def _load(ref, mask):
@@ -201,7 +203,7 @@ def _softmax_step(carry, q, k, v, visible, qk_scale):
     ``qk_scale = sm_scale * log2(e)``, so ``m`` is in log2 units.
     """
     m, l, acc = carry
-    s = _dot(q, k, trans_b=True) * qk_scale  # [M, bk]
+    s = dot(q, k, trans_b=True) * qk_scale  # [M, bk]
     if visible is not None:
         s = jnp.where(visible, s, _MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -210,8 +212,16 @@ def _softmax_step(carry, q, k, v, visible, qk_scale):
     if visible is not None:
         p = jnp.where(visible, p, 0.0)  # all-masked rows: 2^(finfo.min - finfo.min) = 1
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return m_new, l, acc
+    if visible is None:
+        return m_new, l, acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    # Inside the dot 0 · NaN is NaN: a value that some rows do not see (causally later,
+    # outside the window) would reach them through their p = 0. Non-finite values enter
+    # it as 0 instead, and the rows that see one (per head dim) get NaN there; the 0/1
+    # count is exact in bf16 (tensor cores whatever the dtype).
+    v_finite = jnp.isfinite(v)
+    seen = dot(visible.astype(jnp.bfloat16), (~v_finite).astype(jnp.bfloat16)) > 0
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), jnp.where(v_finite, v, 0.0))
+    return m_new, l, jnp.where(seen, jnp.nan, acc)
 
 
 def _block_ranges(lo, hi, full_lo, full_hi, block_k):
@@ -247,7 +257,7 @@ def _load_kv(ref, slot, start, h, *, block_k, head_dim, kv_len, masked):
         mask = jnp.broadcast_to(d_live[None, :], (block_k, bd))
     else:
         mask = None
-    return _load(ref.at[slot, pl.ds(start, block_k), h, pl.ds(0, bd)], mask)
+    return _load(ref.at[slot, pl.ds(start, block_k), h, pl.ds(static_index(0), bd)], mask)
 
 
 def _kv_step(
@@ -307,7 +317,7 @@ def _prefill_kernel(
 
     def store(row0, row_live, value):  # value: [block_q, bg, bd]
         plgpu.store(
-            o_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(0, bd)],
+            o_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
             value.astype(o_ref.dtype),
             mask=tile_mask(row_live),
         )
@@ -346,7 +356,7 @@ def _prefill_kernel(
             bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
 
             q = _load(
-                q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(0, bd)],
+                q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
                 tile_mask(row_live),
             )
             q = q.astype(compute_dtype).reshape(rows, bd)
@@ -397,7 +407,7 @@ def prefill_attention(
 ) -> jax.Array:
     """The query-block (FlashAttention-2) kernel, for any batch; ``out[T, Hq, D]``.
     ``causal``, ``sm_scale`` and ``sliding_window`` may be traced scalars."""
-    s = _shapes(q, k_cache, query_start_loc)
+    s = _AttentionShapes.of(q, k_cache, query_start_loc)
     b = block_sizes
     if b.block_q * s.block_group < MIN_DOT_DIM:
         raise ValueError(
@@ -437,7 +447,7 @@ def prefill_attention(
         ),
         grid=(s.num_kv_heads, max_q_blocks),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(b.num_warps, b.num_stages),
+        compiler_params=compiler_params(num_warps=b.num_warps, num_stages=b.num_stages),
         interpret=interpret,
         name=(
             f"attention_prefill_bq{b.block_q}_bk{b.block_k}_w{b.num_warps}_s{b.num_stages}"
@@ -497,7 +507,7 @@ def _decode_kernel(
     def _():
         qk_scale = scale_ref[0]
         q = _load(
-            q_ref.at[t, pl.ds(h * group, rows), pl.ds(0, bd)],
+            q_ref.at[t, pl.ds(h * group, rows), pl.ds(static_index(0), bd)],
             g_live[:, None] & d_live[None, :],
         ).astype(compute_dtype)
 
@@ -527,10 +537,10 @@ def _decode_kernel(
         # One row: keys [k0, k1) are visible to all of it; only the end blocks are masked.
         bounds = _block_ranges(k0, k1, k0, k1, block_k)
         m, l, acc = _kv_loop(kv_block, carry, *bounds)
-        plgpu.store(m_ref.at[t, h, split, pl.ds(0, rows)], m, mask=g_live)
-        plgpu.store(l_ref.at[t, h, split, pl.ds(0, rows)], l, mask=g_live)
+        plgpu.store(m_ref.at[t, h, split, pl.ds(static_index(0), rows)], m, mask=g_live)
+        plgpu.store(l_ref.at[t, h, split, pl.ds(static_index(0), rows)], l, mask=g_live)
         plgpu.store(
-            acc_ref.at[t, h, split, pl.ds(0, rows), :],
+            acc_ref.at[t, h, split, pl.ds(static_index(0), rows), pl.ds(static_index(0), bd)],
             acc,
             mask=jnp.broadcast_to(g_live[:, None], (rows, bd)),
         )
@@ -568,11 +578,19 @@ def _decode_combine_kernel(
         s0 = first + i * block_splits
         mask = ((s0 + jnp.arange(block_splits)) < last)[:, None] & g_live[None, :]  # [C, bg]
         m_s = plgpu.load(
-            m_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(0, bg)], mask=mask, other=_MASK_VALUE
+            m_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(static_index(0), bg)],
+            mask=mask,
+            other=_MASK_VALUE,
         )
-        l_s = _load(l_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(0, bg)], mask)
+        l_s = _load(l_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(static_index(0), bg)], mask)
         acc_s = _load(
-            acc_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(0, bg), :],
+            acc_ref.at[
+                t,
+                h,
+                pl.ds(s0, block_splits),
+                pl.ds(static_index(0), bg),
+                pl.ds(static_index(0), bd),
+            ],
             jnp.broadcast_to(mask[:, :, None], (block_splits, bg, bd)),
         )
         m_new = jnp.maximum(m, jnp.max(m_s, axis=0))
@@ -585,7 +603,11 @@ def _decode_combine_kernel(
     carry = _softmax_init(bg, bd)
     _, l, acc = jax.lax.fori_loop(0, pl.cdiv(last - first, block_splits), merge, carry)
     out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
-    plgpu.store(o_ref.at[t, pl.ds(h * group, bg), pl.ds(0, bd)], out.astype(o_ref.dtype), mask=tile)
+    plgpu.store(
+        o_ref.at[t, pl.ds(h * group, bg), pl.ds(static_index(0), bd)],
+        out.astype(o_ref.dtype),
+        mask=tile,
+    )
 
 
 def decode_attention(
@@ -605,7 +627,7 @@ def decode_attention(
     """The split-KV (flash-decoding) kernels, one program per token × KV head × split;
     correct for any layout, fast when every sequence has one token. ``out[T, Hq, D]``.
     ``causal``, ``sm_scale`` and ``sliding_window`` may be traced scalars."""
-    s = _shapes(q, k_cache, query_start_loc)
+    s = _AttentionShapes.of(q, k_cache, query_start_loc)
     b = block_sizes
     split_k = min(b.split_k, max(block_dim(s.cache_len), b.decode_block_k))
     num_splits = pl.cdiv(s.cache_len, split_k)
@@ -635,7 +657,9 @@ def decode_attention(
             jax.ShapeDtypeStruct(partial_rows, f32),
             jax.ShapeDtypeStruct((*partial_rows, s.block_d), f32),
         ),
-        compiler_params=_compiler_params(b.decode_num_warps, b.decode_num_stages),
+        compiler_params=compiler_params(
+            num_warps=b.decode_num_warps, num_stages=b.decode_num_stages
+        ),
         interpret=interpret,
         name=(
             f"attention_decode_split{split_k}_bk{b.decode_block_k}_w{b.decode_num_warps}"
@@ -657,27 +681,13 @@ def decode_attention(
         ),
         grid=(s.num_kv_heads, s.num_tokens),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(num_warps=combine_warps, num_stages=2),
+        compiler_params=compiler_params(num_warps=combine_warps, num_stages=2),
         interpret=interpret,
         name=f"attention_decode_combine_split{split_k}_c{block_splits}_g{s.group}_d{s.head_dim}",
     )(*tokens, m, l, acc)
 
 
 # ---------------------------------------------------------------------------- dispatch
-
-
-def _shapes(q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> _Shapes:
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
-    return _Shapes(
-        num_tokens=num_tokens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_slots=num_slots,
-        cache_len=cache_len,
-        num_seqs=query_start_loc.shape[0] - 1,
-    )
 
 
 def masked_tail_attention(
@@ -698,43 +708,11 @@ def masked_tail_attention(
 
     Decode-shaped batches (``T <= B``) take the split-KV kernels, others the query-block
     kernel. ``causal``, ``sm_scale`` and ``sliding_window`` reach the compiled program as
-    data (see ``NO_WINDOW``): changing them does not recompile.
+    data (:func:`~pallas_kernels.attention._layout.jit_attention`): changing them does not
+    recompile.
     """
-    return _attention(
-        q,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        kv_lens,
-        slot_ids,
-        jnp.asarray(causal),
-        jnp.asarray(sm_scale, jnp.float32),
-        jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32),
-        config=config,
-        interpret=interpret,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _attention(
-    q,
-    k_cache,
-    v_cache,
-    query_start_loc,
-    kv_lens,
-    slot_ids,
-    causal,
-    sm_scale,
-    window,
-    *,
-    config,
-    interpret,
-):
-    """``masked_tail_attention`` with ``causal``, ``sm_scale`` and the window as scalar
-    arrays."""
-    s = _shapes(q, k_cache, query_start_loc)
-    kernel = decode_attention if is_decode_shaped(s.num_tokens, s.num_seqs) else prefill_attention
-    return kernel(
+    return jit_attention(
+        _prefill_or_decode,
         q,
         k_cache,
         v_cache,
@@ -743,10 +721,17 @@ def _attention(
         slot_ids=slot_ids,
         causal=causal,
         sm_scale=sm_scale,
-        sliding_window=window,
-        block_sizes=config,
-        interpret=interpret,
+        sliding_window=sliding_window,
+        static=dict(block_sizes=config, interpret=interpret),
     )
+
+
+def _prefill_or_decode(q, k_cache, v_cache, *, query_start_loc, **kwargs) -> jax.Array:
+    """The split-KV kernels for a decode-shaped batch (a static rule), else the query-block
+    kernel."""
+    s = _AttentionShapes.of(q, k_cache, query_start_loc)
+    kernel = decode_attention if is_decode_shaped(s.num_tokens, s.num_seqs) else prefill_attention
+    return kernel(q, k_cache, v_cache, query_start_loc=query_start_loc, **kwargs)
 
 
 # ------------------------------------------------------------------------------ write_kv
@@ -772,9 +757,11 @@ def _write_kv_kernel(
     @pl.when(slot >= 0)
     def _():
         for src, dst in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
-            row = _load(src.at[t, pl.ds(0, bh), pl.ds(0, bd)], tile)
+            row = _load(src.at[t, pl.ds(static_index(0), bh), pl.ds(static_index(0), bd)], tile)
             plgpu.store(
-                dst.at[slot, pos, pl.ds(0, bh), pl.ds(0, bd)], row.astype(dst.dtype), mask=tile
+                dst.at[slot, pos, pl.ds(static_index(0), bh), pl.ds(static_index(0), bd)],
+                row.astype(dst.dtype),
+                mask=tile,
             )
 
 
@@ -809,7 +796,7 @@ def write_kv(
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ),
         input_output_aliases={4: 0, 5: 1},
-        compiler_params=_compiler_params(num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"write_kv_h{num_kv_heads}_d{head_dim}",
     )(tok_slot, tok_pos, k, v, k_cache, v_cache)

@@ -186,7 +186,8 @@ def causal_conv1d_update(
     call = Call(
         (steps, conv_state_cache, weight, bias),
         dict(slot_ids=checked_slot_ids, activation=activation),
-        empty=(lambda: (steps, conv_state_cache)) if steps.shape[0] * steps.shape[1] == 0 else None,
+        # The op's own result (``finish`` does not apply to it): ``x``'s shape, not ``steps``'.
+        empty=(lambda: (x, conv_state_cache)) if steps.shape[0] * steps.shape[1] == 0 else None,
         finish=None if x.ndim == 3 else (lambda out: (out[0][:, 0, :], out[1])),
     )
     return CAUSAL_CONV1D_UPDATE.run(call, implementation, config)

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import LOG2E, checked_slots
-from pallas_kernels._pallas import block_dim, for_each_tail_block, static_index
+from pallas_kernels._pallas import block_dim, compiler_params, for_each_tail_block, static_index
 from pallas_kernels.metadata import sequence_block_table
 
 # Programs per channel block that zero the bucket rows past the sequences.
@@ -308,7 +308,7 @@ def causal_conv1d(
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name=f"causal_conv1d_k{width}_bt{block_t}_ut{unroll_t}_bd{block_d}",
     )(*args)
@@ -422,7 +422,7 @@ def causal_conv1d_update(
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name=f"causal_conv1d_update_k{width}_bd{block_d}",
     )(*args)

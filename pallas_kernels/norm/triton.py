@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import silu
-from pallas_kernels._pallas import block_dim
+from pallas_kernels._pallas import block_dim, compiler_params
 
 # Elements of one program's tile: 32 fp32 registers per thread at 8 warps.
 _TILE_ELEMENTS = 8192
@@ -102,7 +102,7 @@ def gated_rms_norm(
         ),
         grid=(pl.cdiv(num_rows, blocks.block_rows), dim // group_size),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name=f"gated_rms_norm_gs{group_size}_rows{blocks.block_rows}",
     )(x, z, weight)

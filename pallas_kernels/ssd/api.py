@@ -83,8 +83,9 @@ def ssd_scan(
       state_cache: state_cache[S, H, P, N], a slot-indexed state cache to continue from and
         write to, instead of ``initial_states``: sequence ``b`` starts from
         ``state_cache[slot_ids[b]]`` where ``has_initial_state[b]`` (else from 0), and its
-        final state is written back to that slot in the cache's dtype. Slots not named
-        come back bit-identical; ids outside ``[0, S)`` are padding (nothing read or written).
+        final state is written back to that slot in the cache's dtype. Slots not named,
+        and those of sequences without new tokens, come back bit-identical; ids outside
+        ``[0, S)`` are padding (nothing read or written).
       slot_ids: int32[B], each sequence's slot (with ``state_cache`` only).
       has_initial_state: bool[B], whether the slot holds the sequence's state so far (with
         ``state_cache`` only; False: a fresh prompt).
@@ -170,7 +171,20 @@ def ssd_scan(
     y, states = SSD_SCAN.run(call, implementation, config)
     if slots is None:
         return y, states
-    return y, scatter_states(state_cache, states, slots)
+    # A sequence without new tokens writes nothing (as in causal_conv1d): its slot, and the
+    # whole cache of an empty batch, come back bit-identical.
+    writes = jnp.where(metadata.last_chunk_indices >= 0, slots, -1)
+    return _zero_padding_rows(y, metadata, slots), scatter_states(state_cache, states, writes)
+
+
+def _zero_padding_rows(y: jax.Array, metadata: ChunkMetadata, slot_ids: jax.Array) -> jax.Array:
+    """``y[T, H, P]`` with the rows of padding sequences (checked slot -1) set to 0: a
+    sequence without a slot is padding, whatever its length."""
+    rows = jnp.arange(y.shape[0], dtype=jnp.int32)
+    chunk = jnp.searchsorted(metadata.cu_chunk_seqlens, rows, side="right").astype(jnp.int32) - 1
+    seq = metadata.seq_idx[jnp.clip(chunk, 0, metadata.max_chunks - 1)]
+    live = (seq >= 0) & (slot_ids[jnp.maximum(seq, 0)] >= 0)
+    return jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype))
 
 
 def gather_states(

@@ -91,10 +91,19 @@ def ssd_scan(
         exp(cum_i) C_i · state, the D skip and the z gate."""
         # Exponents are clamped to <= 0 (no overflow off the causal band).
         segsum = jnp.minimum(cum_c.T[:, :, None] - cum_c.T[:, None, :], 0.0)  # [H, l, s]
-        decay = jnp.where(causal, jnp.exp(segsum), 0.0) * dt_c.T[:, None, :]
+        decay = jnp.exp(segsum) * dt_c.T[:, None, :]
         cb = jnp.einsum("lgn,sgn->gls", Cc, Bc, precision=precision)
-        weights = decay.reshape(num_groups, heads_per_group, cs, cs) * cb[:, None]
-        y = jnp.einsum("grls,sgrp->lgrp", weights, grouped(xc), precision=precision)
+        decay = decay.reshape(num_groups, heads_per_group, cs, cs)
+        # The causal mask selects: 0 · NaN would carry a later row's NaN dt or B back.
+        weights = jnp.where(causal, decay * cb[:, None], 0.0)
+        # Inside the matmul over columns, 0 · NaN is NaN as well: non-finite x enters it as
+        # 0 and marks the rows at or after it in the chunk (the rows that see it) NaN.
+        finite = jnp.isfinite(xc)
+        y = jnp.einsum(
+            "grls,sgrp->lgrp", weights, grouped(jnp.where(finite, xc, 0.0)), precision=precision
+        )
+        seen = jnp.cumsum(~finite, axis=0, dtype=jnp.int32) > 0  # [cs, H, P]
+        y = jnp.where(grouped(seen), jnp.nan, y)
         before_g = before.reshape(num_groups, heads_per_group, head_dim, state_dim)
         carried = jnp.einsum("lgn,grpn->lgrp", Cc, before_g, precision=precision)
         y = y + carried * grouped(jnp.exp(jnp.minimum(cum_c, 0.0)))[..., None]
@@ -120,8 +129,12 @@ def ssd_scan(
         state, y_tokens, finals = carry
         rows_c, valid_c, start_c, dt_c, cum_c, cum_last_c, decay_c, first, seq_c, last = chunk
         b = jnp.maximum(seq_c, 0)
-        xc = x[rows_c].astype(f32)  # [cs, H, P]
-        Bc, Cc = B[rows_c].astype(f32), C[rows_c].astype(f32)  # [cs, G, N]
+        # Rows past the chunk's end read row 0 (another chunk's token, maybe another
+        # sequence's): zeroed, so nothing in it (NaN included) reaches this chunk.
+        keep = valid_c[:, None, None]
+        xc = jnp.where(keep, x[rows_c], 0).astype(f32)  # [cs, H, P]
+        Bc = jnp.where(keep, B[rows_c], 0).astype(f32)  # [cs, G, N]
+        Cc = jnp.where(keep, C[rows_c], 0).astype(f32)
         before = jnp.where(first, initial_states[b], state)
         after = decay_c[:, None, None] * before + own_state(xc, Bc, dt_c, cum_c, cum_last_c)
         # The chunk's rows are contiguous: rows past its end keep what is there.

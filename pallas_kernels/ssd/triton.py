@@ -36,7 +36,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import process_dt, silu
-from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, dot, for_each_tail_block
+from pallas_kernels._pallas import (
+    MIN_DOT_DIM,
+    block_dim,
+    compiler_params,
+    dot,
+    for_each_tail_block,
+    static_index,
+)
 from pallas_kernels.metadata import ChunkMetadata
 
 # Programs (per row block and head) that zero the bucket rows past the chunks.
@@ -75,13 +82,6 @@ def default_block_sizes(chunk_size: int, head_dim: int, state_dim: int) -> Block
         block_k=min(32, cs),
         block_t=min(128, cs),
         num_warps=8 if wide else 4,
-    )
-
-
-def _compiler_params(blocks: BlockSizes, num_stages: int | None = None):
-    return plgpu.CompilerParams(
-        num_warps=blocks.num_warps,
-        num_stages=blocks.num_stages if num_stages is None else num_stages,
     )
 
 
@@ -130,7 +130,9 @@ def _state_scan_kernel(
         state = jnp.zeros((bp, bn), jnp.float32)
     else:
         state = plgpu.load(
-            initial_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)], mask=state_mask, other=0.0
+            initial_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
+            mask=state_mask,
+            other=0.0,
         ).astype(jnp.float32)
     first = first_chunk_ref[b]
 
@@ -160,12 +162,12 @@ def _state_scan_kernel(
         cum_ref[h, c, pl.ds(row0, block_t)] = cum
 
         x = plgpu.load(
-            x_ref.at[pl.ds(start, block_t), h, pl.ds(0, bp)],
+            x_ref.at[pl.ds(start, block_t), h, pl.ds(static_index(0), bp)],
             mask=live[:, None] & p_live[None, :],
             other=0.0,
         )
         B = plgpu.load(
-            B_ref.at[pl.ds(start, block_t), g, pl.ds(0, bn)],
+            B_ref.at[pl.ds(start, block_t), g, pl.ds(static_index(0), bn)],
             mask=live[:, None] & n_live[None, :],
             other=0.0,
         )
@@ -186,7 +188,7 @@ def _state_scan_kernel(
             @pl.when(last_step)
             def _():
                 plgpu.store(
-                    out_ref.at[c, h, pl.ds(0, bp), pl.ds(0, bn)],
+                    out_ref.at[c, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
                     state.astype(out_ref.dtype),
                     mask=state_mask,
                 )
@@ -197,7 +199,7 @@ def _state_scan_kernel(
     state, _ = jax.lax.fori_loop(0, num_steps, step, (state, jnp.float32(0.0)))
     if not intermediate:
         plgpu.store(
-            out_ref.at[b, h, pl.ds(0, bp), pl.ds(0, bn)],
+            out_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
             state.astype(out_ref.dtype),
             mask=state_mask,
         )
@@ -230,12 +232,12 @@ def _chunk_cb_kernel(
         live_i = row0 + jnp.arange(block_m) < length
         live_j = jnp.arange(bcs) < length
         C_i = plgpu.load(
-            C_ref.at[pl.ds(start + row0, block_m), g, pl.ds(0, bn)],
+            C_ref.at[pl.ds(start + row0, block_m), g, pl.ds(static_index(0), bn)],
             mask=live_i[:, None] & n_live[None, :],
             other=0.0,
         )
         B = plgpu.load(
-            B_ref.at[pl.ds(start, bcs), g, pl.ds(0, bn)],
+            B_ref.at[pl.ds(start, bcs), g, pl.ds(static_index(0), bn)],
             mask=live_j[:, None] & n_live[None, :],
             other=0.0,
         )
@@ -285,12 +287,12 @@ def _chunk_scan_kernel(
             live_i = rows_i < length
             cum_i = cum_ref[h, c, pl.ds(row0, block_m)]
             C_i = plgpu.load(
-                C_ref.at[pl.ds(start + row0, block_m), g, pl.ds(0, bn)],
+                C_ref.at[pl.ds(start + row0, block_m), g, pl.ds(static_index(0), bn)],
                 mask=live_i[:, None] & n_live[None, :],
                 other=0.0,
             )
             x_i = plgpu.load(
-                x_ref.at[pl.ds(start + row0, block_m), h, pl.ds(0, bp)],
+                x_ref.at[pl.ds(start + row0, block_m), h, pl.ds(static_index(0), bp)],
                 mask=live_i[:, None] & p_live[None, :],
                 other=0.0,
             )
@@ -303,10 +305,14 @@ def _chunk_scan_kernel(
                 rows_j = col0 + jnp.arange(block_k)
                 live_j = rows_j < length
                 x_j = plgpu.load(
-                    x_ref.at[pl.ds(start + col0, block_k), h, pl.ds(0, bp)],
+                    x_ref.at[pl.ds(start + col0, block_k), h, pl.ds(static_index(0), bp)],
                     mask=live_j[:, None] & p_live[None, :],
                     other=0.0,
                 )
+                # 0 · NaN is NaN inside the dot too: non-finite x of this row block's own
+                # rows enters as 0 (the rows that see it are marked after the loop); rows
+                # before the block are seen by all its rows and stay as they are.
+                x_j = jnp.where((rows_j >= row0)[:, None] & ~jnp.isfinite(x_j), 0.0, x_j)
                 cum_j = cum_ref[h, c, pl.ds(col0, block_k)]
                 dt_j = dt_ref[h, c, pl.ds(col0, block_k)]
                 cb = cb_ref[c, g, pl.ds(row0, block_m), pl.ds(col0, block_k)].astype(jnp.float32)
@@ -318,18 +324,21 @@ def _chunk_scan_kernel(
             # Only column blocks at or left of the diagonal, and inside the chunk.
             num_k = jnp.minimum(pl.cdiv(row0 + block_m, block_k), pl.cdiv(length, block_k))
             acc = jax.lax.fori_loop(0, num_k, causal_block, acc)
+            # Rows at or after a non-finite x of the block (same column) see it: NaN there.
+            seen = jnp.cumsum((~jnp.isfinite(x_i)).astype(jnp.int32), axis=0) > 0
+            acc = jnp.where(seen, jnp.nan, acc)
             if D_ref is not None:
-                D = plgpu.load(D_ref.at[h, pl.ds(0, bp)], mask=p_live, other=0.0)
+                D = plgpu.load(D_ref.at[h, pl.ds(static_index(0), bp)], mask=p_live, other=0.0)
                 acc = acc + D[None, :] * x_i.astype(jnp.float32)
             if z_ref is not None:
                 z = plgpu.load(
-                    z_ref.at[pl.ds(start + row0, block_m), h, pl.ds(0, bp)],
+                    z_ref.at[pl.ds(start + row0, block_m), h, pl.ds(static_index(0), bp)],
                     mask=live_i[:, None] & p_live[None, :],
                     other=0.0,
                 )
                 acc = acc * silu(z.astype(jnp.float32))
             plgpu.store(
-                y_ref.at[pl.ds(start + row0, block_m), h, pl.ds(0, bp)],
+                y_ref.at[pl.ds(start + row0, block_m), h, pl.ds(static_index(0), bp)],
                 acc.astype(y_ref.dtype),
                 mask=live_i[:, None] & p_live[None, :],
             )
@@ -342,7 +351,7 @@ def _chunk_scan_kernel(
         def zero(row0):
             rows = row0 + m * block_m + jnp.arange(block_m)
             plgpu.store(
-                y_ref.at[pl.ds(row0 + m * block_m, block_m), h, pl.ds(0, bp)],
+                y_ref.at[pl.ds(row0 + m * block_m, block_m), h, pl.ds(static_index(0), bp)],
                 jnp.zeros((block_m, bp), y_ref.dtype),
                 mask=(rows < num_tokens)[:, None] & p_live[None, :],
             )
@@ -361,17 +370,32 @@ def _chunk_scan_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shapes:
-    """Static sizes shared by the three launches."""
+class ScanShapes:
+    """Static sizes shared by the three launches: ``x[T, H, P]``, ``B, C[T, G, N]`` and the
+    metadata's B sequences in ``max_chunks`` chunk slots of ``chunk_size`` rows."""
 
-    num_tokens: int
-    heads: int
-    head_dim: int
-    groups: int
-    state_dim: int
-    num_seqs: int
+    heads: int  # H
+    head_dim: int  # P
+    groups: int  # G
+    state_dim: int  # N
+    num_seqs: int  # B
     max_chunks: int
     chunk_size: int
+
+    @classmethod
+    def of(cls, x: jax.Array, B: jax.Array, metadata: ChunkMetadata) -> ScanShapes:
+        """The sizes of a scan of ``x`` and ``B`` over ``metadata``'s chunks."""
+        _, H, P = x.shape
+        G, N = B.shape[1:]
+        return cls(
+            heads=H,
+            head_dim=P,
+            groups=G,
+            state_dim=N,
+            num_seqs=metadata.last_chunk_indices.shape[0],
+            max_chunks=metadata.max_chunks,
+            chunk_size=metadata.chunk_size,
+        )
 
     @property
     def block_chunk(self) -> int:  # rows of a chunk, padded to a power of two
@@ -387,7 +411,7 @@ class _Shapes:
 
 
 def state_scan(
-    s: _Shapes,
+    s: ScanShapes,
     metadata: ChunkMetadata,
     x,
     dt,
@@ -455,13 +479,13 @@ def state_scan(
             states_shape,
         ),
         input_output_aliases={zeros_index: 3} if intermediate else {},
-        compiler_params=_compiler_params(blocks),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name=f"ssd_state_scan_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}",
     )(*args)
 
 
-def chunk_cb(s: _Shapes, cu, C, B, *, blocks, interpret):
+def chunk_cb(s: ScanShapes, cu, C, B, *, blocks, interpret):
     """Stage 3a: ``cb[max_chunks, G, bcs, bcs] = C_c B_cᵀ`` in C's dtype."""
     bcs = s.block_chunk
     block_m = min(blocks.block_m, bcs)
@@ -469,13 +493,13 @@ def chunk_cb(s: _Shapes, cu, C, B, *, blocks, interpret):
         functools.partial(_chunk_cb_kernel, state_dim=s.state_dim, block_m=block_m),
         grid=(s.max_chunks, s.groups, bcs // block_m),
         out_shape=jax.ShapeDtypeStruct((s.max_chunks, s.groups, bcs, bcs), C.dtype),
-        compiler_params=_compiler_params(blocks, num_stages=1),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name=f"ssd_chunk_cb_cs{s.chunk_size}_bm{block_m}",
     )(cu, C, B)
 
 
-def chunk_scan(s: _Shapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, blocks, interpret):
+def chunk_scan(s: ScanShapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, blocks, interpret):
     """Stage 3b: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed."""
     bcs = s.block_chunk
     block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
@@ -490,7 +514,7 @@ def chunk_scan(s: _Shapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, block
         ),
         grid=(bcs // block_m, s.heads, s.max_chunks + _TAIL_PROGRAMS),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=_compiler_params(blocks),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name=f"ssd_chunk_scan_cs{s.chunk_size}_bm{block_m}_bk{block_k}",
     )(cu, x, C, cb, dt_chunks, cum, carried, D, z)
@@ -517,18 +541,9 @@ def ssd_scan(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated."""
-    T, H, P = x.shape
-    G, N = B.shape[1:]
-    s = _Shapes(
-        num_tokens=T,
-        heads=H,
-        head_dim=P,
-        groups=G,
-        state_dim=N,
-        num_seqs=metadata.last_chunk_indices.shape[0],
-        max_chunks=metadata.max_chunks,
-        chunk_size=chunk_size,
-    )
+    del chunk_size  # the api checked it is metadata.chunk_size
+    s = ScanShapes.of(x, B, metadata)
+    H, P = s.heads, s.head_dim
     blocks = config
     f32 = jnp.float32
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)

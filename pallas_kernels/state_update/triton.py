@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import process_dt, silu
-from pallas_kernels._pallas import block_dim
+from pallas_kernels._common import checked_slots, process_dt, silu
+from pallas_kernels._pallas import block_dim, compiler_params, static_index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,7 @@ def _kernel(
     def _():
         tile = p_live[:, None] & n_live[None, :]
         state = plgpu.load(
-            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(0, bn)], mask=tile, other=0.0
+            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)], mask=tile, other=0.0
         ).astype(jnp.float32)
         bias = None if dt_bias_ref is None else dt_bias_ref[h]
         dt = process_dt(
@@ -86,11 +86,11 @@ def _kernel(
         decay = jnp.exp(jnp.minimum(dt * A_ref[h], 0.0))
         x = plgpu.load(x_ref.at[r, h, pl.ds(p0, bp)], mask=p_live, other=0.0)
         x = x.astype(jnp.float32)
-        B = plgpu.load(B_ref.at[r, g, pl.ds(0, bn)], mask=n_live, other=0.0)
-        C = plgpu.load(C_ref.at[r, g, pl.ds(0, bn)], mask=n_live, other=0.0)
+        B = plgpu.load(B_ref.at[r, g, pl.ds(static_index(0), bn)], mask=n_live, other=0.0)
+        C = plgpu.load(C_ref.at[r, g, pl.ds(static_index(0), bn)], mask=n_live, other=0.0)
         state = decay * state + (dt * x)[:, None] * B.astype(jnp.float32)[None, :]
         plgpu.store(
-            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(0, bn)],
+            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)],
             state.astype(cache_ref.dtype),
             mask=tile,
         )
@@ -132,6 +132,7 @@ def selective_state_update(
     f32 = jnp.float32
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
+    slot_ids = checked_slots(slot_ids, state_cache.shape[0])  # in bounds when called directly
     args = (slot_ids, x, dt, A.astype(f32), B, C, D, z, dt_bias, state_cache)
     cache_index = sum(a is not None for a in args) - 1
     return pl.pallas_call(
@@ -150,7 +151,7 @@ def selective_state_update(
             jax.ShapeDtypeStruct(state_cache.shape, state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name=f"selective_state_update_bp{block_p}",
     )(*args)

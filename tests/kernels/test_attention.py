@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pallas_kernels as pk
 from pallas_kernels.attention import _layout as attention_layout
 from pallas_kernels.attention import api
 from pallas_kernels.attention import mosaic as attention_mosaic
@@ -26,6 +27,8 @@ from pallas_kernels.attention import triton as attention_triton
 from pallas_kernels.backend import on_gpu, supports_mosaic
 from pallas_kernels.testing import (
     assert_close,
+    assert_close_per_row,
+    assert_slots_untouched,
     attention_oracle,
     kv_lens_from_mask_oracle,
     tolerance_for,
@@ -34,10 +37,13 @@ from pallas_kernels.testing import (
 from tests.helpers import (
     as_f32,
     assert_bit_identical,
+    check_out_of_range_slots_are_padding,
     dead_rows,
     implementations,
     lower_for_cuda,
     normal,
+    out_of_range_slot_ids,
+    poison_slots,
     poison_tail,
     query_start_loc,
     spec,
@@ -147,9 +153,17 @@ def case_batch(rng, case: VarlenCase, **kw) -> AttentionBatch:
 
 
 def run_attention(batch: AttentionBatch, impl: str, **options):
-    return api.masked_tail_attention(
-        batch.q, batch.k_cache, batch.v_cache, **batch.kwargs(), implementation=impl, **options
-    )
+    """``masked_tail_attention`` on ``batch``. ``mosaic`` (on a Hopper GPU) serves only some
+    batches (bf16/fp16 prefill, head dim 64 or 128, T and L multiples of 8) and raises on
+    the others: the test is skipped with the reason rather than run on another backend."""
+    fn = functools.partial(api.masked_tail_attention, implementation=impl, **options)
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    if impl == "mosaic":
+        try:
+            pk.backend_for(fn, *args, **batch.kwargs())
+        except ValueError as reason:
+            pytest.skip(f"the Mosaic kernel does not serve this batch: {reason}")
+    return fn(*args, **batch.kwargs())
 
 
 def check_attention(batch: AttentionBatch, out, **options) -> np.ndarray:
@@ -168,7 +182,7 @@ def check_attention(batch: AttentionBatch, out, **options) -> np.ndarray:
     zero_rows = np.all(ref == 0, axis=(1, 2))
     assert np.all(zero_rows[batch.dead_rows()])
     assert np.all(out32[zero_rows] == 0), "rows without a visible key must be exact zeros"
-    assert_close(out32, ref, rtol=tolerance_for(batch.q.dtype), name="out")
+    assert_close_per_row(out32, ref, rtol=tolerance_for(batch.q.dtype), name="out")
     return zero_rows
 
 
@@ -308,12 +322,76 @@ def test_attention_under_jit(impl):
     check_attention(batch, out, causal=True, sliding_window=5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", ATTENTION)
-def test_attention_runs_the_named_implementation(impl):
-    batch = case_batch(np.random.default_rng(11), MIXED)
+def test_attention_runs_the_named_implementation(impl, dtype):
+    """The named backend runs, or the call raises saying why: never another backend.
+    A Pallas backend really runs a ``pallas_call`` (the xla path none)."""
+    batch = case_batch(np.random.default_rng(11), MIXED, head_dim=64, dtype=dtype)
     fn = functools.partial(api.masked_tail_attention, implementation=impl)
-    jaxpr = str(jax.make_jaxpr(fn)(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs()))
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    if impl == "mosaic":  # T = 15: not a multiple of 8 (and fp32 is not a wgmma dtype)
+        with pytest.raises(ValueError, match="'mosaic' cannot serve this call"):
+            pk.backend_for(fn, *args, **batch.kwargs())
+        return
+    assert pk.backend_for(fn, *args, **batch.kwargs()) == impl
+    jaxpr = str(jax.make_jaxpr(fn)(*args, **batch.kwargs()))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.skipif(on_gpu(), reason="the CPU's dispatch rules")
+def test_attention_backend_on_cpu():
+    """auto runs xla on a CPU; "mosaic" named there raises (no Hopper) instead of running
+    Triton; ("mosaic", "triton") takes Triton."""
+    batch = case_batch(np.random.default_rng(12), MIXED, head_dim=64, dtype=jnp.bfloat16)
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    op = api.masked_tail_attention
+    assert pk.backend_for(op, *args, **batch.kwargs()) == "xla"
+    with pytest.raises(ValueError, match="Hopper"):
+        pk.backend_for(op, *args, **batch.kwargs(), implementation="mosaic")
+    with pytest.raises(ValueError, match="Hopper"):
+        op(*args, **batch.kwargs(), implementation="mosaic")
+    either = ("mosaic", "triton")
+    assert pk.backend_for(op, *args, **batch.kwargs(), implementation=either) == "triton"
+    config = attention_triton.BlockSizes(block_q=16, block_k=16, split_k=32, decode_block_k=16)
+    assert (
+        pk.backend_for(op, *args, **batch.kwargs(), implementation=either, config=config)
+        == "triton"
+    )
+
+
+@pytest.mark.parametrize("impl", ATTENTION)
+def test_attention_out_of_range_slot_ids_are_padding(impl):
+    """Slot ids >= S and < -1 behave exactly like -1 (DESIGN.md §8): the sequence's rows
+    are 0, nothing is read from any slot for it (every slot not named is NaN, including
+    those a wrapped or clamped id would hit), other rows are bit-identical to the run with
+    -1. ``validate=True`` rejects them."""
+    batch = case_batch(np.random.default_rng(13), MIXED, extra_slots=4)
+    num_slots, row = batch.k_cache.shape[0], 2  # 8 slots; the 4-token chunked prefill
+    named = np.delete(batch.slot_ids, row)
+    batch.k_cache = poison_slots(batch.k_cache, named)
+    batch.v_cache = poison_slots(batch.v_cache, named)
+    fn = jax.jit(
+        lambda slot_ids: api.masked_tail_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            **(batch.kwargs() | dict(slot_ids=slot_ids)),
+            implementation=impl,
+        )
+    )
+    (out,), _ = check_out_of_range_slots_are_padding(
+        lambda ids: ((fn(jnp.asarray(ids)),), ()), batch.slot_ids, row, num_slots=num_slots
+    )
+    padded = dataclasses.replace(
+        batch, slot_ids=np.where(np.arange(len(batch.slot_ids)) == row, -1, batch.slot_ids)
+    )
+    check_attention(padded, out)  # its rows are 0 (dead rows), the others the oracle's
+    for bad in out_of_range_slot_ids(num_slots):
+        slots = batch.slot_ids.copy()
+        slots[row] = bad
+        with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
+            run_attention(dataclasses.replace(batch, slot_ids=slots), impl, validate=True)
 
 
 @pytest.mark.parametrize("impl", ATTENTION)
@@ -397,9 +475,9 @@ def check_write(batch: AttentionBatch, k, v, k_cache, v_cache) -> None:
         assert new.dtype == old.dtype and new.shape == old.shape
         expected = np.asarray(jnp.asarray(ref, jnp.float32).astype(old.dtype))
         assert_bit_identical(np.asarray(new), expected, name)
-    named = set(batch.slot_ids[batch.slot_ids >= 0].tolist())
-    for s in set(range(batch.k_cache.shape[0])) - named:
-        assert_bit_identical(k_cache[s], batch.k_cache[s], f"unnamed k_cache slot {s}")
+    named = batch.slot_ids[batch.slot_ids >= 0]
+    assert_slots_untouched(k_cache, batch.k_cache, named, name="k_cache")
+    assert_slots_untouched(v_cache, batch.v_cache, named, name="v_cache")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -444,8 +522,53 @@ def test_write_kv_runs_the_named_implementation(impl):
     batch = case_batch(rng, MIXED)
     k, v = make_new_kv(rng, batch, jnp.float32)
     fn = functools.partial(api.write_kv, implementation=impl)
-    jaxpr = str(jax.make_jaxpr(fn)(batch.k_cache, batch.v_cache, k, v, **batch.kwargs()))
+    args = (batch.k_cache, batch.v_cache, k, v)
+    assert pk.backend_for(fn, *args, **batch.kwargs()) == impl
+    with pytest.raises(ValueError, match="config of type"):  # write_kv takes no block sizes
+        pk.backend_for(fn, *args, **batch.kwargs(), config=SMALL_BLOCKS)
+    jaxpr = str(jax.make_jaxpr(fn)(*args, **batch.kwargs()))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("impl", WRITE_KV)
+def test_write_kv_out_of_range_slot_ids_are_padding(impl):
+    """Slot ids >= S and < -1 behave exactly like -1 (DESIGN.md §8): the sequence writes
+    nothing anywhere (a wrapped -2 or a clamped S + 3 would hit slots 6 or 7), the caches
+    are bit-identical to the run with -1. ``validate=True`` rejects them."""
+    rng = np.random.default_rng(25)
+    batch = case_batch(rng, MIXED, extra_slots=4)
+    k, v = make_new_kv(rng, batch, jnp.float32)
+    num_slots, row = batch.k_cache.shape[0], 0  # the 9-token prefill
+    fn = jax.jit(
+        lambda slot_ids: api.write_kv(
+            batch.k_cache,
+            batch.v_cache,
+            k,
+            v,
+            **(batch.kwargs() | dict(slot_ids=slot_ids)),
+            implementation=impl,
+        )
+    )
+    _, (k_cache, v_cache) = check_out_of_range_slots_are_padding(
+        lambda ids: ((), fn(jnp.asarray(ids))), batch.slot_ids, row, num_slots=num_slots
+    )
+    padded = dataclasses.replace(
+        batch, slot_ids=np.where(np.arange(len(batch.slot_ids)) == row, -1, batch.slot_ids)
+    )
+    check_write(padded, k, v, k_cache, v_cache)  # the row's slot is untouched too
+    for bad in out_of_range_slot_ids(num_slots):
+        slots = batch.slot_ids.copy()
+        slots[row] = bad
+        with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
+            api.write_kv(
+                batch.k_cache,
+                batch.v_cache,
+                k,
+                v,
+                **(batch.kwargs() | dict(slot_ids=slots)),
+                implementation=impl,
+                validate=True,
+            )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -593,6 +716,8 @@ def test_attention_validate_rejects_bad_data(impl):
         "slot_ids": [
             dict(slot_ids=np.array([0, 1, 2, 6], np.int32)),
             dict(slot_ids=np.array([0, 1, -2, 3], np.int32)),
+            dict(slot_ids=np.array([0, 9, 2, 3], np.int32)),
+            dict(slot_ids=np.array([-7, 1, 2, 3], np.int32)),
             dict(slot_ids=np.array([0, 1, 1, 3], np.int32)),
         ],
     }
@@ -642,14 +767,12 @@ BLOCKS_CASE = VarlenCase(
 BLOCKS_SHAPES = dict(num_q_heads=6, num_kv_heads=2, head_dim=24, cache_len=128)
 
 
-@functools.partial(jax.jit, static_argnames=("path",))
-def run_triton_path(q, k_cache, v_cache, qsl, kv_lens, slot_ids, causal, window, *, path):
-    """One Triton path with SMALL_BLOCKS; the mask is traced (one compile per path)."""
-    kernel = {
-        "prefill": attention_triton.prefill_attention,
-        "decode": attention_triton.decode_attention,
-    }[path]
-    return kernel(
+@jax.jit
+def run_decode_path(q, k_cache, v_cache, qsl, kv_lens, slot_ids, causal, window):
+    """The Triton decode path with SMALL_BLOCKS on any layout; the mask is traced (one
+    compile). Called directly: through the api, only decode-shaped batches (T <= B) take
+    this path."""
+    return attention_triton.decode_attention(
         q,
         k_cache,
         v_cache,
@@ -665,8 +788,19 @@ def run_triton_path(q, k_cache, v_cache, qsl, kv_lens, slot_ids, causal, window,
 
 
 def run_path(batch: AttentionBatch, path: str, *, causal: bool, window: int | None):
-    w = attention_triton.NO_WINDOW if window is None else window
-    return run_triton_path(
+    """One Triton path with SMALL_BLOCKS: the prefill path through the public api (this
+    batch is prefill-shaped), the decode path directly."""
+    if path == "prefill":
+        return run_attention(
+            batch,
+            "triton",
+            causal=causal,
+            sm_scale=0.3,
+            sliding_window=window,
+            config=SMALL_BLOCKS,
+        )
+    w = attention_layout.NO_WINDOW if window is None else window
+    return run_decode_path(
         batch.q,
         batch.k_cache,
         batch.v_cache,
@@ -675,7 +809,6 @@ def run_path(batch: AttentionBatch, path: str, *, causal: bool, window: int | No
         batch.slot_ids,
         np.bool_(causal),
         np.int32(w),
-        path=path,
     )
 
 
@@ -758,17 +891,7 @@ def test_block_sizes_are_validated():
             attention_triton.BlockSizes(**bad)
     batch = case_batch(np.random.default_rng(52), MIXED, num_q_heads=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="block_q"):  # 4 rows < 16: too small for a dot
-        attention_triton.prefill_attention(
-            batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            **batch.kwargs(),
-            causal=True,
-            sm_scale=1.0,
-            sliding_window=None,
-            block_sizes=attention_triton.BlockSizes(block_q=4),
-            interpret=True,
-        )
+        run_attention(batch, "triton", config=attention_triton.BlockSizes(block_q=4))
 
 
 def _lower_attention(path, *, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, dtype):
@@ -915,7 +1038,9 @@ def test_attention_real_size(impl, sliding_window):
     live = np.flatnonzero(~batch.dead_rows())
     rows = np.unique(np.concatenate([live[:4], live[-4:], rng.choice(live, 24, replace=False)]))
     ref = oracle_on_rows(batch, rows, sliding_window=sliding_window)
-    assert_close(out[rows], ref, rtol=tolerance_for(jnp.bfloat16), name="out (sampled rows)")
+    assert_close_per_row(
+        out[rows], ref, rtol=tolerance_for(jnp.bfloat16), name="out (sampled rows)"
+    )
 
 
 @pytest.mark.gpu
@@ -977,29 +1102,32 @@ def _plan_case(case: VarlenCase, *, window, causal, block_q=8, block_k=16, cache
         block_q=block_q,
         block_k=block_k,
     )
-    return np.asarray(item_plan), qsl, slots, np.asarray(band), num_tokens
+    return jax.tree.map(np.asarray, item_plan), qsl, slots, np.asarray(band), num_tokens
 
 
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
     block_q, block_k = 8, 16
-    item_plan, qsl, slots, (left, right), num_tokens = _plan_case(
+    p, qsl, slots, (left, right), num_tokens = _plan_case(
         MOSAIC_CASE, window=window, causal=causal, block_q=block_q, block_k=block_k
     )
-    m = attention_mosaic
+    consumers = range(attention_mosaic._CONSUMERS)
     written = np.zeros(num_tokens, int)
-    for row in item_plan:
-        row0, attend, kv_len, pos0 = row[m._ROW0], row[m._ATTEND], row[m._KV_LEN], row[m._POS0]
-        kv_lo, kv_hi = row[m._KV_LO], row[m._KV_HI]
+    for i in range(p.num_items):
+        row0, kv_len, pos0 = p.row0[i], p.kv_len[i], p.pos0[i]
+        attend = p.slot[i] >= 0
+        assert attend or kv_len == 0
+        kv_lo, kv_hi = p.kv_lo[i], p.kv_hi[i]
         assert kv_lo <= kv_hi
         assert row0 % 8 == 0  # TMA reads query tiles at tile-aligned rows
-        for c in range(m._CONSUMERS):
-            live, first = row[m._LIVE0 + c], row[m._FIRST0 + c]
+        for c in consumers:
+            live, first = p.live[i, c], p.first[i, c]
             assert first + live <= block_q
             stored = row0 + c * block_q + first
             written[stored : stored + live] += 1
-            lo_blk, mid_lo, mid_hi, hi_blk = row[m._BOUNDS + 4 * c : m._BOUNDS + 4 * c + 4]
+            lo_blk, mid_lo = p.lo_blk[i, c], p.mid_lo[i, c]
+            mid_hi, hi_blk = p.mid_hi[i, c], p.hi_blk[i, c]
             assert kv_lo <= lo_blk <= mid_lo <= mid_hi <= hi_blk <= kv_hi
             pos = pos0 + c * block_q + first + np.arange(live)
             keys = np.arange((kv_hi + 1) * block_k)
@@ -1023,8 +1151,8 @@ def test_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
                 assert lo_blk == hi_blk
             assert np.all(all_visible[unmasked])
         # The producer loads exactly the union of the consumers' blocks.
-        bounds = [row[m._BOUNDS + 4 * c : m._BOUNDS + 4 * c + 4] for c in range(m._CONSUMERS)]
-        working = [(b[0], b[3]) for b in bounds if b[0] < b[3]]
+        working = [(p.lo_blk[i, c], p.hi_blk[i, c]) for c in consumers]
+        working = [(lo, hi) for lo, hi in working if lo < hi]
         if working:
             assert kv_lo == min(b[0] for b in working) and kv_hi == max(b[1] for b in working)
         else:
@@ -1105,7 +1233,7 @@ def test_mosaic_kernel_matches_oracle(
         causal=causal,
         sm_scale=head_dim**-0.5,
         sliding_window=window,
-        block_sizes=blocks,
+        config=blocks,
     )
     check_attention(batch, out, causal=causal, sliding_window=window)
 

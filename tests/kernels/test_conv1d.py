@@ -3,6 +3,11 @@
 Every test runs against every implementation in the op's registries (Pallas kernels in
 interpret mode off-GPU), on small shapes. Cache lines that must not be read hold NaN, and
 cache lines that must not be written are checked bit for bit.
+
+The Triton prefill kernel runs with small tiles (``SMALL_TILES``: 8-row blocks, two
+channel blocks) unless a test asks for the default tiling: several blocks per sequence
+and per channel range on these small shapes, and interpret mode compiles fewer unrolled
+rows. ``test_prefill_default_tiling`` runs the heuristic's tiling.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pallas_kernels as pk
 from pallas_kernels.conv1d import api
 from pallas_kernels.conv1d import triton as conv_triton
 from pallas_kernels.testing import (
     assert_close,
+    assert_close_per_row,
     causal_conv1d_oracle,
     causal_conv1d_update_oracle,
     tolerance_for,
@@ -28,10 +35,13 @@ from pallas_kernels.testing import (
 from tests.helpers import (
     as_f32,
     assert_bit_identical,
+    check_out_of_range_slots_are_padding,
     dead_rows,
     implementations,
     lower_for_cuda,
     normal,
+    out_of_range_slot_ids,
+    poison_slots,
     query_start_loc,
     spec,
 )
@@ -41,6 +51,15 @@ UPDATE = implementations(api.CAUSAL_CONV1D_UPDATE)
 WIDTHS = (2, 3, 4)
 DTYPES = (jnp.float32, jnp.bfloat16)
 DIM = 16
+# Small Triton prefill tiles: 8-row blocks (sequences span several), 4-row steps (>= K - 1
+# for every width here), two 8-channel blocks.
+SMALL_TILES = conv_triton.BlockSizes(block_t=8, unroll_t=4, block_d=8, num_warps=2)
+
+
+def prefill_config(impl: str, tiles=SMALL_TILES):
+    """``config=`` for ``impl``: the Triton tiles, None for backends without block sizes
+    (and for the Triton heuristic's default: ``tiles=None``)."""
+    return tiles if impl == "triton" else None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -157,7 +176,28 @@ def case_batch(rng, case: VarlenCase, **kw) -> ConvBatch:
     )
 
 
-def run_prefill(batch: ConvBatch, impl: str, activation="silu", **kw):
+@functools.cache
+def _jitted_prefill(impl: str, activation, tiles):
+    return jax.jit(
+        functools.partial(
+            api.causal_conv1d,
+            activation=activation,
+            implementation=impl,
+            config=prefill_config(impl, tiles),
+        )
+    )
+
+
+def run_prefill(
+    batch: ConvBatch, impl: str, activation="silu", tiles=SMALL_TILES, *, eager=False, **kw
+):
+    """``causal_conv1d`` on ``batch``, jitted once per (impl, activation, tiles): a jitted
+    call compiles once per shape, where an eager Pallas call in interpret mode re-traces
+    its kernel every time. Eager with ``eager=True`` or extra options (``validate=True``
+    needs concrete arrays)."""
+    if not eager and not kw:
+        fn = _jitted_prefill(impl, activation, tiles)
+        return fn(batch.x, batch.weight, batch.bias, **batch.kwargs())
     return api.causal_conv1d(
         batch.x,
         batch.weight,
@@ -165,6 +205,7 @@ def run_prefill(batch: ConvBatch, impl: str, activation="silu", **kw):
         **batch.kwargs(),
         activation=activation,
         implementation=impl,
+        config=prefill_config(impl, tiles),
         **kw,
     )
 
@@ -183,8 +224,9 @@ def prefill_oracle(batch: ConvBatch, activation):
 
 
 def check_cache(new_cache, old_cache, ref_cache, written: set[int]) -> None:
-    """Written slots hold exactly the oracle's columns (inputs are copied, not computed);
-    every other line comes back bit-identical (NaN included)."""
+    """Written slots hold exactly the oracle's columns (inputs are copied, not computed:
+    stricter than a per-slot tolerance); every other line comes back bit-identical (NaN
+    included)."""
     assert new_cache.dtype == old_cache.dtype and new_cache.shape == old_cache.shape
     expected = np.asarray(jnp.asarray(ref_cache, jnp.float32).astype(old_cache.dtype))
     for s in range(old_cache.shape[0]):
@@ -200,7 +242,7 @@ def check_prefill(batch: ConvBatch, y, new_cache, activation) -> None:
     y32 = as_f32(y)
     assert np.all(np.isfinite(y32)), "non-finite output (NaN cache lines were read?)"
     assert np.all(y32[batch.dead_rows()] == 0), "padding rows must be exact zeros"
-    assert_close(y32, y_ref, rtol=tolerance_for(batch.x.dtype), name="y")
+    assert_close_per_row(y32, y_ref, rtol=tolerance_for(batch.x.dtype), name="y")
     check_cache(new_cache, batch.conv_state_cache, cache_ref, batch.written_slots())
 
 
@@ -303,8 +345,8 @@ def test_padding_rows_and_unused_slots(impl):
 @pytest.mark.parametrize("impl", PREFILL)
 def test_prefill_is_deterministic(impl):
     batch = case_batch(np.random.default_rng(5), MIXED, K=4, dtype=jnp.bfloat16)
-    y1, cache1 = run_prefill(batch, impl)
-    y2, cache2 = run_prefill(batch, impl)
+    y1, cache1 = run_prefill(batch, impl, eager=True)
+    y2, cache2 = run_prefill(batch, impl, eager=True)
     assert_bit_identical(y1, y2, "y")
     assert_bit_identical(cache1, cache2, "conv_state_cache")
 
@@ -312,18 +354,78 @@ def test_prefill_is_deterministic(impl):
 @pytest.mark.parametrize("impl", PREFILL)
 def test_prefill_under_jit(impl):
     batch = case_batch(np.random.default_rng(6), CASES[3], K=3)
-    fn = jax.jit(functools.partial(api.causal_conv1d, activation="silu", implementation=impl))
+    fn = jax.jit(
+        functools.partial(
+            api.causal_conv1d,
+            activation="silu",
+            implementation=impl,
+            config=prefill_config(impl),
+        )
+    )
     y, cache = fn(batch.x, batch.weight, batch.bias, **batch.kwargs())
     check_prefill(batch, y, cache, "silu")
 
 
 @pytest.mark.parametrize("impl", PREFILL)
 def test_prefill_runs_the_named_implementation(impl):
-    """A Pallas backend must actually run a ``pallas_call`` (the xla path must not)."""
+    """The named backend is the one selected (no hand-off), and a Pallas backend really
+    runs a ``pallas_call`` (the xla path none)."""
     batch = case_batch(np.random.default_rng(7), MIXED, K=4)
     fn = functools.partial(api.causal_conv1d, activation="silu", implementation=impl)
-    jaxpr = str(jax.make_jaxpr(fn)(batch.x, batch.weight, batch.bias, **batch.kwargs()))
+    args = (batch.x, batch.weight, batch.bias)
+    assert pk.backend_for(fn, *args, **batch.kwargs()) == impl
+    assert pk.backend_for(fn, *args, **batch.kwargs(), config=prefill_config(impl)) == impl
+    jaxpr = str(jax.make_jaxpr(fn)(*args, **batch.kwargs()))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("impl", PREFILL)
+def test_prefill_default_tiling(impl):
+    """The default tiling (128-row blocks; what the GPU runs), with sequences spanning
+    several blocks and one shorter than K - 1, compared row by row and slot by slot."""
+    batch = make_batch(
+        np.random.default_rng(8), (150, 1, 131, 2), (True, True, False, True), K=4, pad_rows=9
+    )
+    y, cache = run_prefill(batch, impl, tiles=None)
+    check_prefill(batch, y, cache, "silu")
+
+
+@pytest.mark.parametrize("impl", PREFILL)
+def test_prefill_out_of_range_slot_ids_are_padding(impl):
+    """Slot ids >= S and < -1 behave exactly like -1 (DESIGN.md §8): the sequence's rows
+    are 0, its slot is neither read nor written (every unnamed slot is NaN, including
+    those a wrapped or clamped id would hit), other rows and the cache are bit-identical
+    to the run with -1. ``validate=True`` rejects them."""
+    batch = case_batch(np.random.default_rng(9), MIXED, K=4, extra_slots=4)
+    num_slots = batch.conv_state_cache.shape[0]  # 8; the MIXED batch names 4 of them
+    row = 2  # the 6-token sequence with an initial state
+    named = np.delete(batch.slot_ids, row)
+    batch.conv_state_cache = poison_slots(batch.conv_state_cache, named)
+    fn = jax.jit(
+        lambda slot_ids: api.causal_conv1d(
+            batch.x,
+            batch.weight,
+            batch.bias,
+            **(batch.kwargs() | dict(slot_ids=slot_ids)),
+            implementation=impl,
+            config=prefill_config(impl),
+        )
+    )
+
+    def run(slot_ids):
+        y, cache = fn(jnp.asarray(slot_ids))
+        return (y,), (cache,)
+
+    (y,), (cache,) = check_out_of_range_slots_are_padding(
+        run, batch.slot_ids, row, num_slots=num_slots
+    )
+    padded = dataclasses.replace(batch, slot_ids=np.where(np.arange(4) == row, -1, batch.slot_ids))
+    check_prefill(padded, y, cache, "silu")  # the row is 0; slots not named untouched
+    for bad in out_of_range_slot_ids(num_slots):
+        slots = batch.slot_ids.copy()
+        slots[row] = bad
+        with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
+            run_prefill(dataclasses.replace(batch, slot_ids=slots), impl, validate=True)
 
 
 @pytest.mark.parametrize("impl", PREFILL)
@@ -421,7 +523,7 @@ def test_update_matches_oracle(impl, K, steps, dtype):
     y32 = as_f32(y)
     assert np.all(np.isfinite(y32))
     assert np.all(y32[1] == 0), "slot -1 row must be exact zeros"
-    assert_close(y32, y_ref, rtol=tolerance_for(dtype), name="y")
+    assert_close_per_row(y32, y_ref, rtol=tolerance_for(dtype), name="y")
     check_cache(new_cache, cache, cache_ref, written={0, 3, 5})
 
 
@@ -440,7 +542,7 @@ def test_update_activation_and_bias(impl, activation, with_bias):
         x, cache, weight, bias, slot_ids=slot_ids, activation=activation
     )
     assert np.all(as_f32(y)[2] == 0)
-    assert_close(y, y_ref, rtol=1e-5, name="y")
+    assert_close_per_row(y, y_ref, rtol=1e-5, name="y")
     check_cache(new_cache, cache, cache_ref, written={1, 2})
 
 
@@ -482,8 +584,49 @@ def test_update_runs_the_named_implementation(impl):
         np.random.default_rng(14), [1, 0], K=4, num_slots=2
     )
     fn = functools.partial(api.causal_conv1d_update, slot_ids=slot_ids, implementation=impl)
+    assert pk.backend_for(fn, x, cache, weight, bias) == impl
     jaxpr = str(jax.make_jaxpr(fn)(x, cache, weight, bias))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("steps", [None, 3], ids=["x2d", "L3"])
+@pytest.mark.parametrize("impl", UPDATE)
+def test_update_out_of_range_slot_ids_are_padding(impl, steps):
+    """Slot ids >= S and < -1 behave exactly like -1 (DESIGN.md §8): the row's y is 0,
+    nothing is read or written for it (every unnamed slot is NaN), other rows and the
+    cache are bit-identical to the run with -1. ``validate=True`` rejects them."""
+    num_slots, row = 8, 1
+    x, cache, weight, bias, slot_ids = make_update(
+        np.random.default_rng(15), [3, 5, 0, 4], K=4, num_slots=num_slots, steps=steps
+    )
+    cache = poison_slots(cache, np.delete(slot_ids, row))  # slot 5 too
+    fn = jax.jit(
+        lambda slot_ids: api.causal_conv1d_update(
+            x, cache, weight, bias, slot_ids=slot_ids, implementation=impl
+        )
+    )
+
+    def run(ids):
+        y, new_cache = fn(jnp.asarray(ids))
+        return (y,), (new_cache,)
+
+    (y,), (new_cache,) = check_out_of_range_slots_are_padding(
+        run, slot_ids, row, num_slots=num_slots
+    )
+    padded = np.where(np.arange(4) == row, -1, slot_ids)
+    y_ref, cache_ref = causal_conv1d_update_oracle(
+        x, cache, weight, bias, slot_ids=padded, activation="silu"
+    )
+    assert np.all(np.asarray(y)[row] == 0)
+    assert_close_per_row(y, y_ref, rtol=1e-5, name="y")
+    check_cache(new_cache, cache, cache_ref, written={3, 0, 4})
+    for bad in out_of_range_slot_ids(num_slots):
+        ids = slot_ids.copy()
+        ids[row] = bad
+        with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
+            api.causal_conv1d_update(
+                x, cache, weight, bias, slot_ids=ids, implementation=impl, validate=True
+            )
 
 
 # --------------------------------------------------------------------------- prefill + decode
@@ -516,13 +659,15 @@ def test_prefill_then_decode_equals_one_prefill(prefill_impl, update_impl, K, mo
     )
     y_prefix, cache = run_prefill(prefix, prefill_impl)
 
-    decode = functools.partial(
-        api.causal_conv1d_update,
-        weight=whole.weight,
-        bias=whole.bias,
-        slot_ids=whole.slot_ids,
-        activation="silu",
-        implementation=update_impl,
+    decode = jax.jit(  # one compile for every decode step
+        functools.partial(
+            api.causal_conv1d_update,
+            weight=whole.weight,
+            bias=whole.bias,
+            slot_ids=whole.slot_ids,
+            activation="silu",
+            implementation=update_impl,
+        )
     )
     x_tail = jnp.asarray(x[tail_rows])  # [Bd, steps, dim]
     if mode == "token_by_token":
@@ -584,7 +729,7 @@ def test_prefill_validate_rejects_bad_data(impl):
     with pytest.raises(ValueError, match="query_start_loc"):
         run_prefill(dataclasses.replace(batch, query_start_loc=past_end), impl, validate=True)
     num_slots = batch.conv_state_cache.shape[0]
-    for slots in ([0, 1, 2, num_slots], [0, 1, -2, 3], [0, 1, 1, 3]):
+    for slots in ([0, 1, 2, num_slots], [0, 1, -2, 3], [-7, 1, 2, 3], [0, 1, 1, 3]):
         with pytest.raises(ValueError, match="slot_ids"):
             run_prefill(
                 dataclasses.replace(batch, slot_ids=np.asarray(slots, np.int32)),
@@ -657,7 +802,7 @@ def real_size_batch(rng, case: str, dim: int) -> ConvBatch:
 @pytest.mark.parametrize("impl", PREFILL)
 def test_prefill_real_size(impl, dim, case):
     batch = real_size_batch(np.random.default_rng(40), case, dim)
-    y, cache = run_prefill(batch, impl)
+    y, cache = run_prefill(batch, impl, tiles=None)  # the default tiling, as served
     check_prefill(batch, y, cache, "silu")
 
 
@@ -707,7 +852,7 @@ def test_update_real_size(impl, steps):
         as_f32(x), as_f32(cache), as_f32(weight), as_f32(bias), slot_ids=slot_ids, activation="silu"
     )
     assert np.all(as_f32(y)[slot_ids < 0] == 0)
-    assert_close(as_f32(y), y_ref, rtol=tolerance_for(jnp.bfloat16), name="y")
+    assert_close_per_row(as_f32(y), y_ref, rtol=tolerance_for(jnp.bfloat16), name="y")
     check_cache(new_cache, cache, cache_ref, written={int(s) for s in slot_ids if s >= 0})
 
 
@@ -728,6 +873,7 @@ def test_triton_kernels_lower_for_cuda(width, dim):
             slot_ids=slots,
             has_initial_state=has_state,
             activation="silu",
+            config=conv_triton.default_block_sizes(dim, width),
         )
 
     text = lower_for_cuda(
@@ -745,7 +891,13 @@ def test_triton_kernels_lower_for_cuda(width, dim):
 
     def update(x, cache, w, slots):
         return conv_triton.causal_conv1d_update(
-            x, cache, w, None, slot_ids=slots, activation="silu"
+            x,
+            cache,
+            w,
+            None,
+            slot_ids=slots,
+            activation="silu",
+            config=conv_triton.default_update_block_sizes(dim),
         )
 
     text = lower_for_cuda(

@@ -49,6 +49,7 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
             initial_states=init,
             return_intermediate_states=intermediate,
             state_dtype=jnp.float32,
+            config=ssd_triton.default_block_sizes(chunk_size, head_dim, state_dim),
         )
 
     text = lower_for_cuda(
@@ -87,6 +88,7 @@ def test_state_update_lowers(cache_dtype):
             dt_bias=None,
             dt_softplus=True,
             dt_limit=(0.0, math.inf),
+            config=state_update_triton.default_block_sizes(P, N),
         )
 
     text = lower_for_cuda(

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 from pallas_kernels.norm import api
 from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.testing import assert_close, gated_rms_norm_oracle, tolerance_for
@@ -125,10 +127,32 @@ def test_deterministic_and_jittable(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_runs_the_named_implementation(impl):
+    """The named backend is selected (no hand-off), and a Pallas backend really runs a
+    ``pallas_call`` (the xla path none)."""
     x, z, weight = make_inputs(np.random.default_rng(6), 4, 16)
     fn = functools.partial(api.gated_rms_norm, group_size=8, implementation=impl)
+    assert pk.backend_for(fn, x, z, weight) == impl
     jaxpr = str(jax.make_jaxpr(fn)(x, z, weight))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("block_rows", [1, 4])
+def test_triton_config_is_used(block_rows):
+    """An explicit config reaches the kernel (its name carries the tiling) and gives the
+    oracle's numbers; the default heuristic's config too."""
+    x, z, weight = make_inputs(np.random.default_rng(9), 5, 24)
+    config = norm_triton.BlockSizes(block_rows=block_rows)
+    fn = functools.partial(api.gated_rms_norm, group_size=8, implementation="triton")
+
+    def kernel_names(**kw):
+        jaxpr = jax.make_jaxpr(functools.partial(fn, **kw))(x, z, weight)
+        return set(re.findall(r"gated_rms_norm_gs8_rows\d+", str(jaxpr)))
+
+    default = norm_triton.default_block_sizes(8).block_rows
+    assert default not in (1, 4)
+    assert kernel_names(config=config) == {f"gated_rms_norm_gs8_rows{block_rows}"}
+    assert kernel_names() == {f"gated_rms_norm_gs8_rows{default}"}
+    check_norm(x, z, weight, fn(x, z, weight, config=config), group_size=8)
 
 
 # --------------------------------------------------------------------------- errors
@@ -185,7 +209,13 @@ def test_triton_kernel_lowers_for_cuda(dim, group_size, gated):
 
     def fn(x, z, w):
         return norm_triton.gated_rms_norm(
-            x, z if gated else None, w, group_size=group_size, eps=1e-5, norm_before_gate=False
+            x,
+            z if gated else None,
+            w,
+            group_size=group_size,
+            eps=1e-5,
+            norm_before_gate=False,
+            config=norm_triton.default_block_sizes(group_size),
         )
 
     text = lower_for_cuda(fn, spec((64, dim)), spec((64, dim)), spec((dim,)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -14,8 +15,17 @@ from hypothesis import strategies as st
 
 from pallas_kernels import chunk_metadata, max_chunks_for, ssd_scan
 from pallas_kernels.ssd import api as ssd_api
-from pallas_kernels.testing import assert_close, ssd_oracle
-from tests.helpers import implementations, normal, query_start_loc
+from pallas_kernels.ssd import triton as ssd_triton
+from pallas_kernels.testing import assert_close, assert_close_per_row, ssd_oracle
+from tests.helpers import (
+    check_out_of_range_slots_are_padding,
+    check_slot_cache,
+    implementations,
+    normal,
+    out_of_range_slot_ids,
+    poison_slots,
+    query_start_loc,
+)
 
 IMPLS = implementations(ssd_api.SSD_SCAN)
 F32_TOL, BF16_TOL = 1e-5, 2e-2
@@ -118,8 +128,8 @@ def test_all_options_match_oracle(impl, layout):
     p = make_problem(lengths, computed=computed)
     y, states = run(p, impl, **full_options(p))
     y_ref, states_ref = oracle(p, **full_options(p))
-    assert_close(y, y_ref, rtol=F32_TOL, name="y")
-    assert_close(states, states_ref, rtol=F32_TOL, name="final states")
+    assert_close_per_row(y, y_ref, rtol=F32_TOL, name="y")  # bucket rows: exactly 0
+    assert_close_per_row(states, states_ref, rtol=F32_TOL, name="final states")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -161,27 +171,26 @@ def test_intermediate_states_are_oracle_states_at_chunk_ends(impl):
 
 
 @pytest.mark.parametrize("intermediate", [False, True])
-def test_triton_several_steps_per_chunk(intermediate, monkeypatch):
+def test_triton_several_steps_per_chunk(intermediate):
     """Small tiles on a 64-token chunk: the state scan takes 4 steps per chunk (some past a
     short chunk's end), the chunk scan 4 row blocks per chunk."""
-    from pallas_kernels.ssd import triton as ssd_triton
-
     small = ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16)
-    monkeypatch.setattr(ssd_triton, "default_block_sizes", lambda *shape: small)
     p = make_problem(
         [150, 70, 1, 20], computed=[0, 100, 63, 30], chunk_size=64, groups=1, extra_rows=40
     )
     options = full_options(p)
-    y, states = run(p, "triton", return_intermediate_states=intermediate, **options)
+    y, states = run(p, "triton", return_intermediate_states=intermediate, config=small, **options)
     y_ref, states_ref, token_states = oracle(p, return_token_states=True, **options)
-    assert_close(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close_per_row(y, y_ref, rtol=F32_TOL, name="y")
     assert np.all(np.asarray(y[int(p.qsl[-1]) :]) == 0), "bucket rows past the sequences"
     if intermediate:
         md = p.metadata()
         ends = np.asarray(md.cu_chunk_seqlens)[1 : int(md.num_chunks) + 1] - 1
-        assert_close(states[: len(ends)], token_states[ends], rtol=F32_TOL, name="chunk states")
+        assert_close_per_row(
+            states[: len(ends)], token_states[ends], rtol=F32_TOL, name="chunk states"
+        )
     else:
-        assert_close(states, states_ref, rtol=F32_TOL, name="final states")
+        assert_close_per_row(states, states_ref, rtol=F32_TOL, name="final states")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -242,6 +251,105 @@ def test_empty_sequences_keep_initial_state_and_padding_rows_are_zero(impl):
     assert_close(states, states_ref, rtol=F32_TOL, name="states")
 
 
+# Sequences of a state-cache call: a continuation from its slot, a fresh prompt whose slot
+# holds NaN (must not be read), an empty sequence with a state, a second continuation (row
+# 3, made padding below), a fresh short one and an empty one without a state (NaN slot).
+# Empty sequences write nothing. Slots 2, 5, 7 are named by nobody.
+CACHE_LENGTHS, CACHE_COMPUTED = [10, 5, 0, 9, 3, 0], [13, 0, 4, 5, 0, 0]
+CACHE_SLOTS = [6, 1, 3, 0, 4, 8]
+CACHE_HAS_STATE = [True, False, True, True, False, False]
+CACHE_NUM_SLOTS = 9
+
+
+def state_cache_problem(impl, *, padding_row):
+    """The CACHE_* layout with sequence ``padding_row``'s slot id -1, a NaN-poisoned cache
+    (every slot not read), and ``run(slot_ids) -> ((y,), (new_cache,))`` (one compile)."""
+    p = make_problem(CACHE_LENGTHS, computed=CACHE_COMPUTED)
+    slots = np.array(CACHE_SLOTS, np.int32)
+    slots[padding_row] = -1
+    has_state = np.array(CACHE_HAS_STATE)
+    cache = normal(np.random.default_rng(3), (CACHE_NUM_SLOTS, *p.initial_states.shape[1:]))
+    cache = poison_slots(cache, slots[has_state])
+    options = dict(D=p.D, z=p.z, dt_bias=p.dt_bias, dt_softplus=True)
+    scan = jax.jit(
+        lambda slot_ids: ssd_scan(
+            p.x,
+            p.dt,
+            p.A,
+            p.B,
+            p.C,
+            metadata=p.metadata(),
+            chunk_size=p.chunk_size,
+            state_cache=cache,
+            slot_ids=slot_ids,
+            has_initial_state=jnp.asarray(has_state),
+            implementation=impl,
+            **options,
+        )
+    )
+
+    def run(slot_ids):
+        y, new_cache = scan(jnp.asarray(slot_ids))
+        return (y,), (new_cache,)
+
+    initial = np.where(
+        (has_state & (slots >= 0))[:, None, None, None], np.asarray(cache)[slots], 0.0
+    )
+    y_ref, final_ref = oracle(p, initial_states=initial, **options)
+    cache_ref = np.array(cache, np.float64)
+    writes = (slots >= 0) & (np.asarray(CACHE_LENGTHS) > 0)
+    cache_ref[slots[writes]] = final_ref[writes]
+    return p, slots, cache, run, y_ref, cache_ref
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_cache_reads_and_writes_each_sequence_slot(impl):
+    """ssd_scan(state_cache=): sequences with a state start from their slot, fresh ones
+    from 0 whatever the slot holds; each sequence with new tokens writes its final state
+    to its slot, empty ones write nothing. Compared per token row and per slot; slots not
+    written (NaN where not read) stay unread and bit-identical. Slot ids >= S or < -1
+    behave exactly like -1: bit-identical results (DESIGN.md §8)."""
+    padding_row = 3
+    p, slots, cache, run, y_ref, cache_ref = state_cache_problem(impl, padding_row=padding_row)
+    (y,), (new_cache,) = check_out_of_range_slots_are_padding(
+        run, CACHE_SLOTS, padding_row, num_slots=CACHE_NUM_SLOTS
+    )
+    assert np.all(np.isfinite(np.asarray(y))), "a NaN (unread) slot was read"
+    live = np.ones(y.shape[0], bool)
+    live[p.qsl[padding_row] : p.qsl[padding_row + 1]] = False
+    assert_close_per_row(y[live], y_ref[live], rtol=F32_TOL, name="y")
+    written = slots[np.asarray(CACHE_LENGTHS) > 0]
+    check_slot_cache(new_cache, cache, cache_ref, written, rtol=F32_TOL, name="state_cache")
+    assert not np.any(np.isin([3, 8], written))  # the empty sequences' slots: untouched
+    for bad in out_of_range_slot_ids(CACHE_NUM_SLOTS):
+        bad_slots = np.array(CACHE_SLOTS, np.int32)
+        bad_slots[padding_row] = bad
+        with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
+            ssd_scan(
+                p.x,
+                p.dt,
+                p.A,
+                p.B,
+                p.C,
+                metadata=p.metadata(),
+                chunk_size=p.chunk_size,
+                state_cache=cache,
+                slot_ids=jnp.asarray(bad_slots),
+                has_initial_state=jnp.asarray(CACHE_HAS_STATE),
+                validate=True,
+                implementation=impl,
+            )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_cache_padding_sequence_outputs_are_zero(impl):
+    padding_row = 3
+    p, _, _, run, _, _ = state_cache_problem(impl, padding_row=padding_row)
+    (y,), _ = run(np.where(np.arange(len(CACHE_SLOTS)) == padding_row, -1, CACHE_SLOTS))
+    rows = slice(p.qsl[padding_row], p.qsl[padding_row + 1])
+    assert np.all(np.asarray(y[rows]) == 0)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 def test_bf16_inputs_fp32_accumulation(impl, state_dtype):
@@ -277,18 +385,57 @@ def test_jit_and_determinism(impl):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(w))
 
 
+PROPERTY_TOKENS = 4 * 23 + 4  # one bucket for every layout: one compile per chunk size
+
+
+@functools.cache
+def _jitted_full_scan(impl: str, chunk_size: int):
+    """``ssd_scan`` with every option, metadata built inside, jitted once per (impl,
+    chunk size): eager Pallas calls in interpret mode re-trace their kernels every time."""
+    max_chunks = max_chunks_for(PROPERTY_TOKENS, 4, chunk_size)
+
+    def scan(x, dt, A, B, C, D, z, dt_bias, initial_states, qsl, computed):
+        md = chunk_metadata(qsl, computed, chunk_size=chunk_size, max_chunks=max_chunks)
+        return ssd_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            metadata=md,
+            chunk_size=chunk_size,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            initial_states=initial_states,
+            implementation=impl,
+        )
+
+    return jax.jit(scan)
+
+
 @given(
-    lengths=st.lists(st.sampled_from([0, 1, 2, 7, 8, 9, 16, 23]), min_size=1, max_size=4),
+    # Four sequences, empty ones included, in a fixed bucket of rows.
+    lengths=st.lists(st.sampled_from([0, 1, 2, 7, 8, 9, 16, 23]), min_size=4, max_size=4),
     computed=st.lists(st.sampled_from([0, 1, 5, 8, 11]), min_size=4, max_size=4),
     chunk_size=st.sampled_from([4, 8]),
 )
 @pytest.mark.parametrize("impl", IMPLS)
 def test_random_layouts_property(impl, lengths, computed, chunk_size):
-    p = make_problem(lengths, computed=computed[: len(lengths)], chunk_size=chunk_size)
-    y, states = run(p, impl, **full_options(p))
-    y_ref, states_ref = oracle(p, **full_options(p))
-    assert_close(y, y_ref, rtol=F32_TOL, name="y")
-    assert_close(states, states_ref, rtol=F32_TOL, name="states")
+    p = make_problem(
+        lengths,
+        computed=computed,
+        chunk_size=chunk_size,
+        extra_rows=PROPERTY_TOKENS - sum(lengths),
+    )
+    o = full_options(p)
+    y, states = _jitted_full_scan(impl, chunk_size)(
+        p.x, p.dt, p.A, p.B, p.C, o["D"], p.z, p.dt_bias, p.initial_states, p.qsl, p.computed
+    )
+    y_ref, states_ref = oracle(p, **o)
+    assert_close_per_row(y, y_ref, rtol=F32_TOL, name="y")
+    assert_close_per_row(states, states_ref, rtol=F32_TOL, name="states")
 
 
 def test_xla_is_differentiable():
@@ -344,12 +491,11 @@ def test_argument_errors(change, match):
 
 def test_unavailable_implementation_is_a_clear_error():
     p = make_problem([4])
-    missing = sorted({"triton", "mosaic"} - set(ssd_api.IMPLEMENTATIONS))
-    if not missing and jax.default_backend() == "gpu":
-        pytest.skip("every backend is available on this machine")
-    impl = missing[0] if missing else "mosaic"
-    with pytest.raises(ValueError, match=impl):
-        run(p, impl)
+    assert "mosaic" not in ssd_api.SSD_SCAN.names
+    with pytest.raises(ValueError, match="'mosaic' is not available for ssd_scan"):
+        run(p, "mosaic")
+    with pytest.raises(ValueError, match="config of type"):
+        run(p, "xla", config=ssd_triton.BlockSizes())
 
 
 def test_validate_rejects_inconsistent_metadata():

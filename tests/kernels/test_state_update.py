@@ -9,8 +9,19 @@ import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for, selective_state_update, ssd_scan
 from pallas_kernels.state_update import api as state_update_api
-from pallas_kernels.testing import assert_close, selective_state_update_oracle
-from tests.helpers import implementations, normal
+from pallas_kernels.testing import (
+    assert_close,
+    assert_close_per_row,
+    selective_state_update_oracle,
+)
+from tests.helpers import (
+    check_out_of_range_slots_are_padding,
+    check_slot_cache,
+    implementations,
+    normal,
+    out_of_range_slot_ids,
+    poison_slots,
+)
 
 IMPLS = implementations(state_update_api.SELECTIVE_STATE_UPDATE)
 F32_TOL, BF16_TOL = 1e-5, 2e-2
@@ -59,6 +70,16 @@ def call(impl, arrays, slot_ids, **options):
     )
 
 
+def check_step(arrays, slots, y, cache, options, rtol):
+    """y row by row and the cache slot by slot against the oracle; padding rows exact 0;
+    slots no row names (NaN-poisoned by the callers) bit-identical."""
+    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
+    assert np.all(np.isfinite(np.asarray(y, np.float32))), "a poisoned slot was read"
+    assert_close_per_row(y, y_ref, rtol=rtol, name="y")
+    assert np.all(np.asarray(y)[np.asarray(slots) < 0] == 0), "padding rows must be 0"
+    check_slot_cache(cache, arrays["state_cache"], cache_ref, slots, rtol=rtol, name="state")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("d_shape", ["H", "HP"])
@@ -67,10 +88,9 @@ def test_matches_oracle(impl, groups, d_shape):
     if d_shape == "H":
         options["D"] = options["D"][:, 0]
     slots = [3, -1, 0, 5]
+    arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
     y, cache = call(impl, arrays, slots, **options)
-    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
-    assert_close(y, y_ref, rtol=F32_TOL, name="y")
-    assert_close(cache, cache_ref, rtol=F32_TOL, name="state cache")
+    check_step(arrays, slots, y, cache, options, F32_TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -80,13 +100,7 @@ def test_padding_rows_and_unnamed_slots(impl):
     arrays["state_cache"] = arrays["state_cache"].at[jnp.array([1, 3])].set(jnp.nan)
     slots = [4, -1, 0]
     y, cache = call(impl, arrays, slots, **options)
-    assert np.all(np.isfinite(y))
-    assert np.all(np.asarray(y[1]) == 0)
-    before, after = np.asarray(arrays["state_cache"]), np.asarray(cache)
-    np.testing.assert_array_equal(after[[1, 2, 3]], before[[1, 2, 3]])
-    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
-    assert_close(y, y_ref, rtol=F32_TOL, name="y")
-    assert_close(after[[0, 4]], cache_ref[[0, 4]], rtol=F32_TOL, name="state cache")
+    check_step(arrays, slots, y, cache, options, F32_TOL)  # slot 2 (finite, unnamed) too
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -94,11 +108,40 @@ def test_padding_rows_and_unnamed_slots(impl):
 def test_bf16_inputs_and_cache(impl, cache_dtype):
     arrays, options = make_step(4, dtype=jnp.bfloat16, cache_dtype=cache_dtype, seed=2)
     slots = [0, 1, 2, 3]
+    arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
     y, cache = call(impl, arrays, slots, **options)
     assert y.dtype == jnp.bfloat16 and cache.dtype == cache_dtype
-    y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
-    assert_close(y, y_ref, rtol=BF16_TOL, name="y")
-    assert_close(cache, cache_ref, rtol=BF16_TOL, name="state cache")
+    check_step(arrays, slots, y, cache, options, BF16_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_slot_ids_are_padding(impl):
+    """Slot ids >= S and < -1 behave exactly like -1 (DESIGN.md §8): the row's y is 0,
+    nothing is read or written for it (every unnamed slot is NaN), other rows and the
+    cache are bit-identical to the run with -1."""
+    num_slots = 8
+    arrays, options = make_step(4, slots=num_slots, seed=7)
+    slots = [3, 5, 0, 4]  # row 1 goes bad; slots 1, 2, 5, 6, 7 are then unnamed
+    arrays["state_cache"] = poison_slots(arrays["state_cache"], [3, 0, 4])
+    step = jax.jit(
+        lambda cache, slot_ids: selective_state_update(
+            cache,
+            *(arrays[k] for k in ("x", "dt", "A", "B", "C")),
+            slot_ids=slot_ids,
+            implementation=impl,
+            **options,
+        )
+    )
+
+    def run(slot_ids):
+        y, cache = step(arrays["state_cache"], jnp.asarray(slot_ids))
+        return (y,), (cache,)
+
+    (y,), (cache,) = check_out_of_range_slots_are_padding(run, slots, 1, num_slots=num_slots)
+    check_step(arrays, [3, -1, 0, 4], y, cache, options, F32_TOL)
+    for bad in out_of_range_slot_ids(num_slots):
+        with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
+            call(impl, arrays, [3, bad, 0, 4], validate=True, **options)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -129,19 +172,14 @@ def test_decode_steps_equal_prefill(impl):
         **options,
     )
     cache = jnp.concatenate([normal(rng, (1, heads, head_dim, state_dim)), init])
+    step = jax.jit(  # one compile for every step
+        lambda cache, x, dt, B, C: selective_state_update(
+            cache, x, dt, A, B, C, slot_ids=jnp.array([1]), implementation=impl, **options
+        )
+    )
     ys = []
     for t in range(steps):
-        y, cache = selective_state_update(
-            cache,
-            x[t : t + 1],
-            dt[t : t + 1],
-            A,
-            B[t : t + 1],
-            C[t : t + 1],
-            slot_ids=jnp.array([1]),
-            implementation=impl,
-            **options,
-        )
+        y, cache = step(cache, x[t : t + 1], dt[t : t + 1], B[t : t + 1], C[t : t + 1])
         ys.append(y)
     assert_close(jnp.concatenate(ys), y_prefill, rtol=F32_TOL, name="y")
     assert_close(cache[1], s_prefill[0], rtol=F32_TOL, name="state")
@@ -175,7 +213,9 @@ def test_jit_with_donation(impl):
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (dict(x=jnp.zeros((2, 4, 5))), r"x must have shape \[Bd, H, P\]"),
+        (dict(x=jnp.zeros((2, 4))), r"x must have shape \[Bd, H, P\]"),
+        (dict(x=jnp.zeros((2, 4, 5))), r"state_cache must have shape \[S, H, P, N\]"),
+        (dict(state_cache=jnp.zeros((6, 4, 4))), r"state_cache must have shape \[S, H, P, N\]"),
         (dict(dt=jnp.zeros((2, 3))), r"dt must have shape \[Bd, H\]"),
         (dict(B=jnp.zeros((2, 3, 8))), "groups"),
         (dict(slot_ids=jnp.zeros(3, jnp.int32)), r"slot_ids must have shape \[Bd\]"),
@@ -191,7 +231,11 @@ def test_argument_errors(change, match):
 
 def test_validate_rejects_bad_slots():
     arrays, _ = make_step(2, slots=3)
-    for slots, match in (([0, 3], "slot_ids must be -1 or in"), ([1, 1], "at most once")):
+    for slots, match in (
+        ([0, 3], "slot_ids must be -1 or in"),
+        ([-2, 1], "slot_ids must be -1 or in"),
+        ([1, 1], "at most once"),
+    ):
         with pytest.raises(ValueError, match=match):
             selective_state_update(**arrays, slot_ids=jnp.array(slots), validate=True)
 
@@ -213,12 +257,10 @@ def test_gpu_real_sizes(rows, cache_dtype):
     )
     slots = np.random.default_rng(rows).permutation(2 * rows + 1)[:rows]
     slots[::7] = -1
+    arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
     y, cache = call("triton", arrays, slots, **options)
     y_ref, cache_ref = selective_state_update_oracle(**arrays, slot_ids=slots, **options)
-    assert_close(y, y_ref, rtol=BF16_TOL, name="y")
-    assert_close(
-        cache,
-        cache_ref,
-        rtol=BF16_TOL if cache_dtype == jnp.bfloat16 else F32_TOL,
-        name="state cache",
-    )
+    assert_close_per_row(y, y_ref, rtol=BF16_TOL, name="y")
+    assert np.all(np.asarray(y)[slots < 0] == 0)
+    rtol = BF16_TOL if cache_dtype == jnp.bfloat16 else F32_TOL
+    check_slot_cache(cache, arrays["state_cache"], cache_ref, slots, rtol=rtol, name="state")
