@@ -95,8 +95,25 @@ def _ssd_problem():
     return arrays, options, qsl, metadata
 
 
-@pytest.mark.parametrize("impl", SSD_IMPLS)
-def test_ssd_nan_reaches_only_the_rows_that_see_it(impl):
+# The Pallas kernels leave one case unguarded, measured too costly (docs/design.md,
+# "Numerics"): a non-finite x (ssd_scan) or value (attention) reaches the rows of its own
+# tile that do not see it, through a zero weight inside the tensor-core product. These
+# cases are strict xfails: guarding them later turns them into failures to remove.
+PALLAS_PRODUCT_GAP = pytest.mark.xfail(
+    strict=True, reason="Pallas kernels: 0 * NaN inside the tile product (docs/design.md)"
+)
+
+
+def _gap(impl: str, operand: str, unguarded: str):
+    """``(impl, operand)`` as a parameter, a strict xfail for the Pallas product gap."""
+    marks = PALLAS_PRODUCT_GAP if impl != "xla" and operand == unguarded else ()
+    return pytest.param(impl, operand, marks=marks)
+
+
+@pytest.mark.parametrize(
+    ("impl", "name"), [_gap(i, n, "x") for i in SSD_IMPLS for n in ("x", "dt", "B", "C")]
+)
+def test_ssd_nan_reaches_only_the_rows_that_see_it(impl, name):
     """A NaN in x, dt, B or C at row 3 of a chunk, at a sequence's first row, or in bucket
     padding rows: earlier rows of its sequence, the other sequence (y and final state) and
     everything for padding rows are unchanged; its own row is NaN."""
@@ -131,26 +148,25 @@ def test_ssd_nan_reaches_only_the_rows_that_see_it(impl):
     # first chunk, and the bucket padding rows (seen by no row).
     for rows in ([3], [0], [15], [18, 19]):
         r = rows[0]
-        for name in ("x", "dt", "B", "C"):
-            poisoned = arrays[name].copy()
-            poisoned[rows] = np.nan
-            y, states = run(**{name: poisoned})
-            where = f"{name}[{rows}]"
-            if r >= qsl[-1]:  # padding rows: nothing changes
-                assert_same(y, y0, f"y with NaN in {where}")
-                assert_same(states, states0, f"states with NaN in {where}")
-                continue
-            b = seq_of_row[r]
-            row = np.arange(SSD_T)
-            blind = ((seq_of_row != b) & (row < qsl[-1])) | ((seq_of_row == b) & (row < r))
-            assert_same(y[blind], y0[blind], f"rows that cannot see NaN {where}")
-            assert_same(states[1 - b], states0[1 - b], f"other sequence's state, NaN {where}")
-            assert np.isnan(y[r]).any(), f"NaN {where} was hidden from its own row"
-            if name != "C":  # C_t reaches only y_t; x, dt, B reach the state
-                assert not np.isfinite(states[b]).all(), f"NaN {where} was hidden from the state"
-            if name == "x":
-                later = slice(r, qsl[b + 1])
-                assert np.isnan(y[later]).any(axis=(1, 2)).all(), "rows after NaN x are finite"
+        poisoned = arrays[name].copy()
+        poisoned[rows] = np.nan
+        y, states = run(**{name: poisoned})
+        where = f"{name}[{rows}]"
+        if r >= qsl[-1]:  # padding rows: nothing changes
+            assert_same(y, y0, f"y with NaN in {where}")
+            assert_same(states, states0, f"states with NaN in {where}")
+            continue
+        b = seq_of_row[r]
+        row = np.arange(SSD_T)
+        blind = ((seq_of_row != b) & (row < qsl[-1])) | ((seq_of_row == b) & (row < r))
+        assert_same(y[blind], y0[blind], f"rows that cannot see NaN {where}")
+        assert_same(states[1 - b], states0[1 - b], f"other sequence's state, NaN {where}")
+        assert np.isnan(y[r]).any(), f"NaN {where} was hidden from its own row"
+        if name != "C":  # C_t reaches only y_t; x, dt, B reach the state
+            assert not np.isfinite(states[b]).all(), f"NaN {where} was hidden from the state"
+        if name == "x":
+            later = slice(r, qsl[b + 1])
+            assert np.isnan(y[later]).any(axis=(1, 2)).all(), "rows after NaN x are finite"
 
 
 # --------------------------------------------------------------------------------- conv1d
@@ -260,9 +276,10 @@ def _row_positions(qsl, kv_lens):
     return rows
 
 
-@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
+@pytest.mark.parametrize(
+    ("impl", "which"), [_gap(i, w, "v") for i in ATTENTION_IMPLS for w in ("k", "v")]
+)
 @pytest.mark.parametrize("window", [None, 4])
-@pytest.mark.parametrize("which", ["k", "v"])
 def test_attention_nan_key_reaches_only_the_rows_that_see_it(impl, window, which):
     """A NaN key or value of sequence 0 at position 15 (causally after its rows at 12-14),
     12 (outside the window of rows at 16+ with W = 4) or 25 (past kv_len): the rows that
@@ -305,8 +322,9 @@ def test_attention_nan_key_reaches_only_the_rows_that_see_it(impl, window, which
             assert np.isnan(out[r]).any(), f"NaN {which}[{key}] hidden from row {r}"
 
 
-@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
-@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize(
+    ("impl", "which"), [_gap(i, w, "v") for i in ATTENTION_IMPLS for w in ("k", "v")]
+)
 def test_decode_attention_nan_outside_the_visible_keys_changes_nothing(impl, which):
     """Decode-shaped batch (one token per sequence at position kv_len - 1): NaN keys or
     values past kv_len, or outside the window, change nothing; inside, the row is NaN."""
