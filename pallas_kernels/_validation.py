@@ -127,6 +127,17 @@ def check_ssm_inputs(
     return lo, hi
 
 
+def check_state_cache(state_cache: jax.Array, heads: int, head_dim: int, state_dim: int) -> int:
+    """Checks a floating ``state_cache[S, H, P, N]`` against the SSM's sizes; returns S."""
+    check_floating("state_cache", state_cache)
+    if state_cache.ndim != 4 or state_cache.shape[1:] != (heads, head_dim, state_dim):
+        raise ValueError(
+            f"state_cache must have shape [S, H, P, N] = (S, {heads}, {head_dim}, {state_dim}), "
+            f"got {state_cache.shape}"
+        )
+    return state_cache.shape[0]
+
+
 def check_slot_ids(slot_ids: jax.Array, rows: int, num_slots: int, letters: str) -> jax.Array:
     """The one place slot ids are checked: an integer ``slot_ids[rows]``, returned as int32
     with every id outside ``[0, num_slots)`` mapped to -1, so padding (``-1``) and bad data

@@ -128,16 +128,11 @@ def ssd_scan(
         if slot_ids is None or has_initial_state is None:
             raise ValueError("state_cache needs slot_ids[B] and has_initial_state[B]")
         state_cache, has_initial_state = jnp.asarray(state_cache), jnp.asarray(has_initial_state)
-        checks.check_floating("state_cache", state_cache)
-        if state_cache.ndim != 4 or state_cache.shape[1:] != (H, P, N):
-            raise ValueError(
-                f"state_cache must have shape [S, H, P, N] = (S, {H}, {P}, {N}), "
-                f"got {state_cache.shape}"
-            )
+        num_slots = checks.check_state_cache(state_cache, H, P, N)
         checks.check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
-        slots = checks.check_slot_ids(jnp.asarray(slot_ids), num_seqs, state_cache.shape[0], "[B]")
+        slots = checks.check_slot_ids(jnp.asarray(slot_ids), num_seqs, num_slots, "[B]")
         if validate:
-            checks.validate_slot_ids(jnp.asarray(slot_ids), state_cache.shape[0])
+            checks.validate_slot_ids(jnp.asarray(slot_ids), num_slots)
         initial_states = gather_states(state_cache, slots, has_initial_state)
         state_dtype = state_cache.dtype
     elif slot_ids is not None or has_initial_state is not None:

@@ -81,18 +81,12 @@ def selective_state_update(
         jnp.asarray(a) for a in (state_cache, x, dt, A, B, C, slot_ids)
     )
     D, z, dt_bias = (None if a is None else jnp.asarray(a) for a in (D, z, dt_bias))
-    checks.check_floating("state_cache", state_cache)
     dt_limit = checks.check_ssm_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_limit=dt_limit, rows="Bd"
     )
     Bd, H, P = x.shape
     N = B.shape[2]
-    if state_cache.ndim != 4 or state_cache.shape[1:] != (H, P, N):
-        raise ValueError(
-            f"state_cache must have shape [S, H, P, N] = (S, {H}, {P}, {N}), "
-            f"got {state_cache.shape}"
-        )
-    S = state_cache.shape[0]
+    S = checks.check_state_cache(state_cache, H, P, N)
     checked_slot_ids = checks.check_slot_ids(slot_ids, Bd, S, "[Bd]")
     if validate:
         checks.validate_slot_ids(slot_ids, S)
