@@ -300,10 +300,12 @@ def _chunk_scan_kernel(
             # Off-diagonal part: the state entering the chunk, decayed to each row.
             acc = dot(C_i, carried, trans_b=True) * jnp.exp(jnp.minimum(cum_i, 0.0))[:, None]
 
-            # Only column blocks at or left of the diagonal, and inside the chunk.
+            # Column blocks left of the row block (every row sees all their columns), then
+            # the ones on the diagonal, inside the chunk.
             num_k = jnp.minimum(pl.cdiv(row0 + block_m, block_k), pl.cdiv(length, block_k))
+            num_full = jnp.minimum(row0 // block_k, num_k)
 
-            def causal_block(k, acc):
+            def causal_block(k, acc, *, diagonal: bool):
                 col0 = k * block_k
                 rows_j = col0 + jnp.arange(block_k)
                 live_j = rows_j < length
@@ -316,15 +318,24 @@ def _chunk_scan_kernel(
                 dt_j = dt_ref[h, c, pl.ds(col0, block_k)]
                 cb = cb_ref[c, g, pl.ds(row0, block_m), pl.ds(col0, block_k)].astype(jnp.float32)
                 decay = jnp.exp(jnp.minimum(cum_i[:, None] - cum_j[None, :], 0.0))
-                causal = rows_i[:, None] >= rows_j[None, :]
-                weights = jnp.where(causal, cb * decay * dt_j[None, :], 0.0)
-                # NOTE: weights are 0 above the diagonal, but 0 · NaN is NaN inside the
-                # dot: a non-finite x reaches the earlier rows of its own row block.
-                # Guarding it (zeroed x, rows marked after the loop) cost 13-36% on the
-                # H200 problems, so the kernel leaves it; see docs/design.md.
+                weights = cb * decay * dt_j[None, :]
+                if diagonal:
+                    weights = jnp.where(rows_i[:, None] >= rows_j[None, :], weights, 0.0)
+                    # 0 · NaN is NaN inside the dot: a non-finite x of this row block's own
+                    # rows enters as 0 (the rows that see it are marked after the loop).
+                    # Only diagonal blocks pay for it; the others keep their plain loads.
+                    x_j = jnp.where((rows_j >= row0)[:, None] & ~jnp.isfinite(x_j), 0.0, x_j)
                 return acc + dot(weights.astype(x_j.dtype), x_j)
 
-            acc = jax.lax.fori_loop(0, num_k, causal_block, acc)
+            acc = jax.lax.fori_loop(
+                0, num_full, functools.partial(causal_block, diagonal=False), acc
+            )
+            acc = jax.lax.fori_loop(
+                num_full, num_k, functools.partial(causal_block, diagonal=True), acc
+            )
+            # Rows at or after the block's first non-finite x (per column) see it: NaN there.
+            first_bad = jnp.min(jnp.where(jnp.isfinite(x_i), length, rows_i[:, None]), axis=0)
+            acc = jnp.where(rows_i[:, None] >= first_bad[None, :], jnp.nan, acc)
             if D_ref is not None:
                 D = plgpu.load(D_ref.at[h, pl.ds(static_index(0), bp)], mask=p_live, other=0.0)
                 acc = acc + D[None, :] * x_i.astype(jnp.float32)
