@@ -9,6 +9,7 @@ from pallas_kernels._common import matmul_precision
 from pallas_kernels.attention import kv_lens_from_mask, masked_tail_attention, write_kv
 from pallas_kernels.backend import Implementation, backend_for
 from pallas_kernels.conv1d import causal_conv1d, causal_conv1d_update
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.metadata import (
     ChunkMetadata,
     bucket_for,
@@ -31,6 +32,7 @@ __all__ = [
     "causal_conv1d_update",
     "chunk_metadata",
     "gated_rms_norm",
+    "grouped_matmul",
     "kv_lens_from_mask",
     "masked_tail_attention",
     "matmul_precision",

@@ -57,6 +57,7 @@ __all__ = [
     "causal_conv1d_oracle",
     "causal_conv1d_update_oracle",
     "gated_rms_norm_oracle",
+    "grouped_matmul_oracle",
     "kv_lens_from_mask_oracle",
     "relative_error",
     "selective_state_update_oracle",
@@ -898,3 +899,36 @@ def tolerance_for(dtype: Any) -> float:
     if name not in _TOLERANCES:
         raise ValueError(f"dtype: expected one of {sorted(_TOLERANCES)}, got {dtype!r}")
     return _TOLERANCES[name]
+
+
+# --------------------------------------------------------------------------- grouped matmul
+
+
+def grouped_matmul_oracle(x: ArrayLike, w: ArrayLike, group_sizes: ArrayLike) -> np.ndarray:
+    """MoE expert matmul (``jax.lax.ragged_dot`` semantics), expert by expert.
+
+    Expert ``e`` owns rows ``[offset_e, offset_e + group_sizes[e])`` of ``x`` with
+    ``offset_e = sum(group_sizes[:e])`` and multiplies them by ``w[e]``; rows past
+    ``sum(group_sizes)`` come back as 0.
+
+    Args:
+      x: ``x[M, K]`` rows sorted by expert.
+      w: ``w[E, K, N]``.
+      group_sizes: ``[E]`` non-negative rows per expert, summing to at most ``M``.
+
+    Returns:
+      ``y[M, N]``.
+    """
+    x_, w_, sizes = _f64(x), _f64(w), _i64(group_sizes)
+    if x_.ndim != 2 or w_.ndim != 3 or w_.shape[1] != x_.shape[1]:
+        raise ValueError(f"x: expected [M, K] and w [E, K, N], got {x_.shape} and {w_.shape}")
+    _check_shape("group_sizes", sizes, (w_.shape[0],))
+    if np.any(sizes < 0) or sizes.sum() > x_.shape[0]:
+        raise ValueError(f"group_sizes={sizes.tolist()} must be >= 0 and sum to <= {x_.shape[0]}")
+    y = np.zeros((x_.shape[0], w_.shape[2]))
+    offset = 0
+    for e, size in enumerate(sizes):
+        for r in range(offset, offset + size):
+            y[r] = x_[r] @ w_[e]
+        offset += size
+    return y
