@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks import plots
 
-MODULES = ("ssd", "conv1d", "attention", "model")
+MODULES = ("ssd", "conv1d", "attention", "grouped_matmul", "model")
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 LOG_TAIL_LINES = 40

@@ -9,13 +9,15 @@ Rows of ``x`` are sorted by expert (``jax.lax.ragged_dot`` semantics)::
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.grouped_matmul import reference, triton
+from pallas_kernels.grouped_matmul import mosaic, reference, triton
 
 
 def _triton_default_config(x, w, group_sizes, **_) -> triton.BlockSizes:
@@ -23,9 +25,47 @@ def _triton_default_config(x, w, group_sizes, **_) -> triton.BlockSizes:
     return triton.default_block_sizes(M, K, N, E, x.dtype)
 
 
+def _mosaic_default_config(x, w, group_sizes, **_) -> mosaic.BlockSizes:
+    (M, K), (E, _, N) = x.shape, w.shape
+    return mosaic.default_block_sizes(M, K, N, E, x.dtype)
+
+
+@functools.cache
+def _mosaic_differentiable(config: mosaic.BlockSizes):
+    """The Mosaic GPU forward kernel; its gradients run the Triton backward kernels (Pallas
+    kernels too; the Mosaic kernel has no backward of its own)."""
+
+    @jax.custom_vjp
+    def matmul(x, w, group_sizes):
+        return mosaic.grouped_matmul(x, w, group_sizes, config=config)
+
+    def forward(x, w, group_sizes):
+        return matmul(x, w, group_sizes), (x, w, group_sizes)
+
+    def backward(residuals, dy):
+        x, w, group_sizes = residuals
+        blocks = _triton_default_config(x, w, group_sizes)
+        return (*triton.backward(x, w, group_sizes, dy, config=blocks), None)
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def _mosaic_grouped_matmul(x, w, group_sizes, *, config: mosaic.BlockSizes) -> jax.Array:
+    return _mosaic_differentiable(config)(x, w, group_sizes)
+
+
 GROUPED_MATMUL = Op(
     "grouped_matmul",
     (
+        Backend(
+            "mosaic",
+            _mosaic_grouped_matmul,
+            config_type=mosaic.BlockSizes,
+            default_config=_mosaic_default_config,
+            supports=mosaic.supports,
+            check_config=mosaic.check_block_sizes,
+        ),
         Backend(
             "triton",
             triton.grouped_matmul,
@@ -65,7 +105,7 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: mosaic.BlockSizes | triton.BlockSizes | None = None,
 ) -> jax.Array:
     """Grouped matmul of expert-sorted rows: ``y[r] = x[r] @ w[e]`` for the rows ``r`` of
     expert ``e`` (``jax.lax.ragged_dot`` semantics), accumulated in fp32.
@@ -81,7 +121,8 @@ def grouped_matmul(
         sizes count as 0, rows past M are dropped), so kernels stay in bounds.
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``grouped_matmul.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``grouped_matmul.mosaic.BlockSizes`` or
+        ``grouped_matmul.triton.BlockSizes``).
 
     Returns:
       y[M, N] in ``x``'s dtype.

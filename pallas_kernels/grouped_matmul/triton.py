@@ -335,6 +335,25 @@ def _weight_grad(
     )(offsets, x, dy)
 
 
+def backward(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    dy: jax.Array,
+    *,
+    config: BlockSizes,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Pallas backward kernels of ``y = grouped_matmul(x, w, group_sizes)``: ``dy[M, N]``
+    -> ``(dx[M, K], dw[E, K, N])``. ``dx`` is the forward tile kernel on ``w[e]ᵀ``, ``dw[e]``
+    the per-expert ``x_eᵀ dy_e``; rows past ``sum(group_sizes)`` contribute nothing."""
+    dy = dy.astype(x.dtype)
+    with pallas_dtypes():
+        dx = _tiled_matmul(dy, w, group_sizes, transpose_w=True, config=config, interpret=interpret)
+        dw = _weight_grad(x, dy, group_sizes, config=config, interpret=interpret)
+    return dx, dw
+
+
 @functools.cache
 def _differentiable(config: BlockSizes, interpret: bool):
     """The forward kernel with its Pallas backward kernels, for one config."""
@@ -348,17 +367,11 @@ def _differentiable(config: BlockSizes, interpret: bool):
     def forward(x, w, group_sizes):
         return matmul(x, w, group_sizes), (x, w, group_sizes)
 
-    def backward(residuals, dy):
+    def backward_rule(residuals, dy):
         x, w, group_sizes = residuals
-        dy = dy.astype(x.dtype)
-        with pallas_dtypes():
-            dx = _tiled_matmul(
-                dy, w, group_sizes, transpose_w=True, config=config, interpret=interpret
-            )
-            dw = _weight_grad(x, dy, group_sizes, config=config, interpret=interpret)
-        return dx, dw, None
+        return (*backward(x, w, group_sizes, dy, config=config, interpret=interpret), None)
 
-    matmul.defvjp(forward, backward)
+    matmul.defvjp(forward, backward_rule)
     return matmul
 
 

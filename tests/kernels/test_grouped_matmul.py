@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels.backend import on_gpu
+from pallas_kernels.backend import on_gpu, supports_mosaic
 from pallas_kernels.grouped_matmul import api
+from pallas_kernels.grouped_matmul import mosaic as gm_mosaic
 from pallas_kernels.grouped_matmul import triton as gm_triton
 from pallas_kernels.testing import assert_close, grouped_matmul_oracle, tolerance_for
 from tests.helpers import as_f32, implementations, lower_for_cuda, normal, spec
@@ -411,3 +412,92 @@ def test_triton_kernels_lower_for_cuda(M, K, N, E):
     text = lower_for_cuda(fn, spec((M, K)), spec((E, K, N)), spec((E,), jnp.int32), spec((M, N)))
     for name in ("grouped_matmul_bm", "grouped_matmul_dx_bm", "grouped_matmul_dw_bm"):
         assert name in text
+
+
+# --------------------------------------------------------------------------- Mosaic GPU
+
+
+def test_mosaic_plan_worked_example():
+    """The Mosaic module docstring's example: items start at multiples of 8, hold one
+    expert's stored rows (leading rows of the previous expert are computed, not stored)
+    and the rows past sum(group_sizes) form zero-storing items (group -1)."""
+    p = gm_mosaic.plan(jnp.array([20, 0, 5], jnp.int32), num_rows=32, block_m=16)
+    n = int(p.num_items[0])
+    assert n == 4 and p.max_items == gm_mosaic.max_items(32, 3, 16)
+    np.testing.assert_array_equal(p.row0[:n], [0, 16, 16, 24])
+    np.testing.assert_array_equal(p.first[:n], [0, 0, 4, 1])
+    np.testing.assert_array_equal(p.live[:n], [16, 4, 5, 7])
+    np.testing.assert_array_equal(p.group[:n], [0, 0, 2, -1])
+    np.testing.assert_array_equal(p.live[n:], 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mosaic_plan_stores_every_row_once(seed):
+    """Random group sizes: the items' stored rows cover [0, M) exactly once, each inside
+    its expert's rows (or the tail for group -1), reads starting at multiples of 8."""
+    rng = np.random.default_rng(seed)
+    E, block_m = int(rng.integers(1, 9)), 64
+    M = 8 * int(rng.integers(1, 40))
+    sizes = rng.multinomial(int(rng.integers(0, M + 1)), np.ones(E) / E)
+    p = gm_mosaic.plan(jnp.asarray(sizes, jnp.int32), num_rows=M, block_m=block_m)
+    bounds = np.concatenate([[0], np.cumsum(sizes), [M]])
+    stored = np.zeros(M, int)
+    items = (np.asarray(a) for a in (p.row0, p.group, p.first, p.live))
+    for row0, group, first, live in zip(*items, strict=True):
+        if live:
+            lo, hi = row0 + first, row0 + first + live
+            seg = E if group < 0 else group
+            assert row0 % 8 == 0 and first < 8 and hi - row0 <= block_m
+            assert bounds[seg] <= lo and hi <= bounds[seg + 1]
+            stored[lo:hi] += 1
+    np.testing.assert_array_equal(stored, 1)
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "E", "dtype", "reason"),
+    [
+        (1024, 128, 128, 4, jnp.float32, "bf16 or fp16"),
+        (1024, 96, 128, 4, jnp.bfloat16, "K=96"),
+        (1024, 128, 96, 4, jnp.bfloat16, "N=96"),
+        (1028, 128, 128, 4, jnp.bfloat16, "M=1028"),
+        (256, 128, 128, 4, jnp.bfloat16, "weight-streaming"),
+        (1024, 128, 128, 4, jnp.bfloat16, None),
+    ],
+)
+def test_mosaic_supports(M, K, N, E, dtype, reason):
+    """What the Mosaic kernel leaves to Triton, said in the reason (static facts only)."""
+    got = gm_mosaic.supports(spec((M, K), dtype), spec((E, K, N), dtype), spec((E,), jnp.int32))
+    assert got is None if reason is None else reason in got
+
+
+@pytest.mark.parametrize(("M", "K", "N", "E"), [(81920, 4096, 1536, 72), (49152, 1856, 2688, 128)])
+def test_mosaic_kernel_lowers_for_cuda(M, K, N, E):
+    """The Mosaic kernel lowers for CUDA with the heuristic's tiles (its backward is the
+    Triton kernels', lowered above)."""
+    config = gm_mosaic.default_block_sizes(M, K, N, E, jnp.bfloat16)
+
+    def fn(x, w, group_sizes):
+        return gm_mosaic.grouped_matmul(x, w, group_sizes, config=config)
+
+    lower_for_cuda(fn, spec((M, K)), spec((E, K, N)), spec((E,), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not supports_mosaic(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("sizes", [(600, 0, 424, 0), (0, 1024, 0, 0), (300, 200, 0, 100)])
+def test_mosaic_compute_bound_calls(sizes):
+    """Compute-bound calls (>= 128 rows per expert) run the Mosaic kernel: empty experts,
+    one expert holding every row, zero tail rows (NaN in x there), and its gradients
+    (through the Triton backward kernels) against float64."""
+    rng = np.random.default_rng(sum(sizes))
+    c = Case("mosaic", 1024, sizes, K=256, N=192)
+    x, w, group_sizes = make_inputs(rng, c, jnp.bfloat16)
+    assert pk.backend_for(api.grouped_matmul, x, w, group_sizes) == "mosaic"
+    check_output(x, w, group_sizes, api.grouped_matmul(x, w, group_sizes))
+    x = jnp.nan_to_num(x)
+    dy = normal(rng, (c.num_rows, c.N), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda x, w: api.grouped_matmul(x, w, group_sizes), x, w)
+    dx, dw = vjp(dy)
+    dx_ref, dw_ref = oracle_grads(x, w, sizes, dy)
+    assert_close(as_f32(dx), dx_ref, rtol=2e-2, name="dx")
+    assert_close(as_f32(dw), dw_ref, rtol=2e-2, name="dw")
