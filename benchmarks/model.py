@@ -1,14 +1,25 @@
-"""End-to-end serving benchmark: a Bamba-9B-shaped hybrid (random init, bf16).
+"""End-to-end serving benchmark: hybrid models of real shapes (random init, bf16).
 
-``python -m benchmarks.model [--out results.json] [--quick]``. Hidden 4096, 32 layers with
-attention at 9, 18, 27 (mixer 128 heads × 64, N = 128, G = 1, chunk 256; attention 32 query /
-8 KV heads × 128; MLP 14336). Rows, for ``xla`` and ``auto`` in one run on the same weights:
-prefill tokens/s on 8 × 4096 and on a ragged batch, decode step latency at 1, 64 and 256
-rows with 4k tokens of context, and peak device memory. ``--quick`` runs a tiny model.
+``python -m benchmarks.model [--out results.json] [--quick] [--models NAME ...]``. Models
+(``HybridConfig`` presets): ``bamba-9b`` (dense: hidden 4096, 32 layers, attention at 9, 18,
+27), ``nemotron3-nano-30b-a3b`` (MoE: hidden 2688, 52 layers of Mamba2, MoE and attention
+blocks, 128 experts top-6) and ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers, 72
+experts top-10 beside a shared MLP), one after the other. Rows, for ``xla`` and ``auto`` in
+one run on the same weights: prefill tokens/s on 8 × 4096 and on a ragged batch, decode
+step latency at 1, 64 and 256 rows with 4k tokens of context, and peak device memory.
+``--quick`` runs a tiny dense and a tiny MoE model.
+
+The roofline counts *active* parameters: FLOPs use the k of E routed experts each token
+runs; bytes the experts a step reads. For decode steps those are the experts their rows
+route to, measured on the rows' tokens (``routed_experts``: a random-init model routes far
+from uniformly, so uniform routing would overstate the bytes); prefill steps are
+compute-bound and take uniform routing's ``E (1 - (1 - 1/E)^(k tokens))``.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -20,6 +31,7 @@ from benchmarks import harness
 from flax_models.batching import Request
 from flax_models.config import HybridConfig
 from flax_models.engine import Engine
+from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM
 
 
@@ -33,15 +45,69 @@ def _with_implementation(model: HybridLM, implementation: str) -> HybridLM:
     return nnx.merge(nnx.split(abstract)[0], nnx.state(model))
 
 
-def _cost(cfg: HybridConfig, model: HybridLM, arrays, context: int) -> tuple[float, float]:
-    """(FLOPs, bytes) floor of a step: 2 FLOPs per matmul weight per token (the embedding
-    table is a gather, not a matmul) plus the vocabulary projection of each sequence row's
-    last token and causal attention over the step's keys; every weight read once (of the
-    embedding table only the rows looked up, unless it is tied to the output), plus each
-    decode row's SSM state (read and written, fp32) and its K/V context (bf16)."""
-    params = jax.tree.leaves(nnx.state(model))
-    weights = sum(x.size for x in params)
-    weight_bytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in params)
+MODELS = {
+    "bamba-9b": HybridConfig.bamba_9b,
+    "nemotron3-nano-30b-a3b": HybridConfig.nemotron3_nano_30b_a3b,
+    "granite-4.0-h-small": HybridConfig.granite_4_h_small,
+}
+# Routed-expert weights in the parameter tree (layers/moe.py): [E, K, N] each.
+_EXPERT_PARAMS = ("experts_up", "experts_down")
+
+
+def _weights(model: HybridLM) -> tuple[int, int, int, int]:
+    """(elements, bytes) of the dense weights, then of the routed experts' weights."""
+    dense = experts = dense_bytes = expert_bytes = 0
+    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        size, nbytes = leaf.value.size, leaf.value.size * leaf.value.dtype.itemsize
+        if any(name in _EXPERT_PARAMS for name in map(str, path)):
+            experts, expert_bytes = experts + size, expert_bytes + nbytes
+        else:
+            dense, dense_bytes = dense + size, dense_bytes + nbytes
+    return dense, dense_bytes, experts, expert_bytes
+
+
+def routed_experts(model: HybridLM, token_ids: np.ndarray) -> np.ndarray:
+    """Expert ids ``[layers, B * L, k]`` that each MoE layer routes ``token_ids[B, L]`` to,
+    run as fresh sequences (``[0, B * L, k]`` for a model without experts). A random-init
+    model routes far from uniformly, so the experts a step reads are measured, not
+    assumed."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def probe(state, ids):
+        copy = nnx.merge(graphdef, state)
+        chosen = []
+        for _, moe in nnx.iter_graph(copy):
+            if isinstance(moe, MoE):  # record each layer's expert ids as the model routes
+                moe.route = functools.partial(_recording, moe.route, chosen)
+        copy(ids)
+        return [i.reshape(-1, i.shape[-1]) for i in chosen]
+
+    chosen = probe(state, jnp.asarray(token_ids, jnp.int32))
+    return np.stack([np.asarray(i) for i in chosen]) if chosen else np.zeros((0, token_ids.size, 1))
+
+
+def _recording(route, chosen: list, logits, bias, cfg):
+    weights, ids = route(logits, bias, cfg)
+    chosen.append(ids)
+    return weights, ids
+
+
+def _cost(
+    cfg: HybridConfig, model: HybridLM, arrays, context: int, touched: float
+) -> tuple[float, float]:
+    """(FLOPs, bytes) floor of a step: 2 FLOPs per active matmul weight per token (the
+    embedding table is a gather, not a matmul; of the routed experts the k of E a token
+    runs) plus the vocabulary projection of each sequence row's last token and causal
+    attention over the step's keys; every weight read once (of the embedding table only the
+    rows looked up, unless it is tied to the output; of the experts those the step's tokens
+    touch under uniform routing), plus each decode row's SSM state (read and written, fp32)
+    and its K/V context (bf16)."""
+    weights, weight_bytes, experts, expert_bytes = _weights(model)
+    if experts:
+        k_of_e = cfg.num_experts_per_tok / cfg.num_experts
+        weights += experts * k_of_e
+        weight_bytes += expert_bytes * touched
     vocab = cfg.vocab_size * cfg.hidden_size  # the embedding table; also the output if tied
     itemsize = jnp.dtype(model.dtype).itemsize
     matmul_weights = weights - vocab * (1 if model.lm_head is None else 2)
@@ -71,14 +137,14 @@ def _peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict]:
-    args = harness.parse_args(argv, "hybrid model serving benchmark")
+def bench_model(
+    name: str, cfg: HybridConfig, dtype, args, ceilings: harness.Ceilings
+) -> list[dict]:
+    """Every case of one model, ``xla`` then ``auto``, on the same weights."""
     rng = np.random.default_rng(0)
     if args.quick:
-        cfg, dtype = HybridConfig.tiny(), jnp.float32
         dense, ragged, context, decode_rows = (2, 32), [5, 40, 17], 48, (1, 4)
     else:
-        cfg, dtype = HybridConfig.bamba_9b(), jnp.bfloat16
         dense = (8, 4096)
         ragged = [int(n) for n in rng.integers(64, 8193, size=8)]
         context, decode_rows = 4096, (1, 64, 256)
@@ -126,45 +192,97 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             [Request(s, [int(rng.integers(cfg.vocab_size))], context) for s in range(r)],
             [],
         )
-    ceilings = harness.measure_ceilings(quick=args.quick)
+    # Experts a decode step reads: the rows' own routing (their tokens as fresh one-token
+    # sequences; their context is not computed here either). Prefill steps route
+    # thousands of tokens and are compute-bound: uniform routing's estimate serves there.
     base = HybridLM(cfg, dtype=dtype, implementation="xla", rngs=nnx.Rngs(0))
+    touched = {}
+    if cfg.num_experts:
+        decode_cases = {c: d for c, (kind, d, _) in cases.items() if kind == "decode"}
+        tokens = np.array([[r.tokens[0]] for d in decode_cases.values() for r in d])
+        ids = routed_experts(_with_implementation(base, "auto"), tokens)
+        start = 0
+        for case, requests in decode_cases.items():
+            rows = ids[:, start : start + len(requests)]
+            start += len(requests)
+            used = [len(np.unique(layer)) for layer in rows]
+            touched[case] = float(np.mean(used)) / cfg.num_experts
+        for case, (kind, _, prefill) in cases.items():
+            if kind == "prefill":
+                routed = sum(len(r.tokens) for r in prefill) * cfg.num_experts_per_tok
+                touched[case] = 1.0 - (1.0 - 1.0 / cfg.num_experts) ** routed
     rows: list[dict] = []
     for impl in ("xla", "auto"):
         model = _with_implementation(base, impl)
         for kind, engine_args in engines.items():
             engine = Engine(model, **engine_args)
-            for name, (case_kind, decode, prefill) in cases.items():
-                if case_kind != kind or not harness.selected(name, args.only):
+            for case, (case_kind, decode, prefill) in cases.items():
+                problem = f"{name}/{case}"
+                if case_kind != kind or not harness.selected(problem, args.only):
                     continue
                 arrays = engine.builder.build(decode, prefill)
-                timing = harness.time_fn(lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5)
+                try:
+                    timing = harness.time_fn(
+                        lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5
+                    )
+                except jax.errors.JaxRuntimeError as error:  # e.g. out of device memory
+                    reason = str(error).splitlines()[0][:160]
+                    print(f"note: {problem}: no {impl} row ({reason})", flush=True)
+                    continue
                 tokens = arrays.num_tokens
-                flops, bytes_moved = _cost(cfg, base, arrays, context)
+                flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
                 rows.append(
                     harness.row(
-                        name,
+                        problem,
                         impl,
                         timing,
                         flops=flops,
                         bytes_moved=bytes_moved,
                         op="model",
                         ceilings=ceilings,
+                        model=name,
+                        experts_touched=touched.get(case),
                         tokens=tokens,
                         tokens_per_s=tokens / (timing.median_ms * 1e-3),
                         peak_bytes=_peak_bytes(),
                     )
                 )
-                print(f"{name} {impl}: {timing.median_ms:.3f} ms", flush=True)
+                print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
             engine = None  # free this engine's caches before the next one's
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``--models`` is this module's own option; the rest are the harness's.
+    names = list(MODELS)
+    if "--models" in argv:
+        at = argv.index("--models")
+        end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+        names, argv = argv[at + 1 : end], argv[:at] + argv[end:]
+        unknown = sorted(set(names) - set(MODELS))
+        if unknown or not names:
+            raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {names}")
+    args = harness.parse_args(argv, "hybrid model serving benchmark")
+    ceilings = harness.measure_ceilings(quick=args.quick)
+    if args.quick:  # a tiny dense and a tiny MoE model (CPU smoke run)
+        models = {"tiny": HybridConfig.tiny(), "tiny-moe": HybridConfig.tiny_moe()}
+        dtype = jnp.float32
+    else:
+        models = {name: MODELS[name]() for name in names}
+        dtype = jnp.bfloat16
+    rows: list[dict] = []
+    for name, cfg in models.items():
+        rows += bench_model(name, cfg, dtype, args, ceilings)
+        jax.clear_caches()  # the next model's weights need the memory
     harness.add_speedups(rows)
-    print(f"\n## hybrid model ({cfg.family} pattern of {cfg.num_layers} layers, {dtype.__name__})")
-    print(f"{'case':<22}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'vs xla':>8}{'peak GiB':>10}")
+    print(f"\n## hybrid models ({dtype.__name__})")
+    print(f"{'case':<44}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'% roof':>8}{'vs xla':>8}")
     for r in rows:
-        peak = r["peak_bytes"]
         print(
-            f"{r['problem']:<22}{r['implementation']:<6}{r['median_ms']:>10.3f}"
-            f"{r['tokens_per_s']:>12.0f}{r['speedup_vs_xla']:>7.2f}x"
-            f"{'' if peak is None else f'{peak / 2**30:.1f}':>10}"
+            f"{r['problem']:<44}{r['implementation']:<6}{r['median_ms']:>10.3f}"
+            f"{r['tokens_per_s']:>12.0f}{r['roofline_fraction']:>8.1%}"
+            f"{r.get('speedup_vs_xla', float('nan')):>7.2f}x"
         )
     harness.report("hybrid model serving", rows, ceilings, args.out)
     return rows

@@ -2,7 +2,8 @@
 
 Per Mamba2 layer: the conv state ``[S, K−1, conv_dim]`` (last K−1 inputs, oldest first)
 and the SSM state ``[S, H, P, N]`` (fp32 by default); per attention layer the K/V caches
-``[S, max_len, Hkv, D]``. MLP-only layers have none. The whole cache is one pytree
+``[S, max_len, Hkv, D]``; per parallel layer (Falcon-H1's ``P``) both, in a
+``ParallelCache``. MLP-only layers have none. The whole cache is one pytree
 returned from every step, so its buffers can be donated and updated in place.
 """
 
@@ -30,7 +31,16 @@ class AttentionCache:
     v: jax.Array  # [S, max_len, Hkv, D]
 
 
-LayerCache = MambaCache | AttentionCache | None
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ParallelCache:
+    """A parallel layer's states: its Mamba2 mixer's and its attention's, side by side."""
+
+    mamba: MambaCache
+    attention: AttentionCache
+
+
+LayerCache = MambaCache | AttentionCache | ParallelCache | None
 
 
 def init_cache(
@@ -42,23 +52,28 @@ def init_cache(
     ssm_dtype: jnp.dtype = jnp.float32,
 ) -> tuple[LayerCache, ...]:
     """Zero caches for every layer (``None`` for MLP-only layers)."""
+
+    def mamba() -> MambaCache:
+        return MambaCache(
+            conv_state=jnp.zeros((num_slots, cfg.mamba_conv_kernel - 1, cfg.mamba_conv_dim), dtype),
+            ssm_state=jnp.zeros(
+                (num_slots, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size),
+                ssm_dtype,
+            ),
+        )
+
+    def attention() -> AttentionCache:
+        shape = (num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
     caches: list[LayerCache] = []
     for kind in cfg.layer_pattern:
         if kind == "M":
-            caches.append(
-                MambaCache(
-                    conv_state=jnp.zeros(
-                        (num_slots, cfg.mamba_conv_kernel - 1, cfg.mamba_conv_dim), dtype
-                    ),
-                    ssm_state=jnp.zeros(
-                        (num_slots, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size),
-                        ssm_dtype,
-                    ),
-                )
-            )
+            caches.append(mamba())
         elif kind == "*":
-            shape = (num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-            caches.append(AttentionCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+            caches.append(attention())
+        elif kind == "P":
+            caches.append(ParallelCache(mamba=mamba(), attention=attention()))
         else:
             caches.append(None)
     return tuple(caches)

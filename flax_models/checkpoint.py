@@ -3,7 +3,8 @@
 ``load_hf_checkpoint(directory)`` reads ``config.json`` and one or several
 ``*.safetensors`` (with ``model.safetensors.index.json``), renames every tensor to its
 module path, transforms it (PyTorch ``[out, in]`` linears → ``[in, out]`` kernels, conv
-weights ``[C, 1, K]`` → ``[C, K]``, Granite's fused gate|up split in two), checks its shape
+weights ``[C, 1, K]`` → ``[C, K]``, Granite's fused gate|up split in two, per-expert
+weights stacked and expert weights ``[E, out, in]`` → ``[E, in, out]``), checks its shape
 against the abstract model, and raises one ``ValueError`` listing every missing,
 unexpected or mis-shaped tensor. Tied embeddings need no ``lm_head``.
 """
@@ -47,9 +48,21 @@ _RENAMES: dict[str, list[tuple[str, str]]] = {
         (_LAYER + r"(?:mamba|self_attn)\.", r"layers.\1.mixer."),
         (_LAYER + r"post_attention_layernorm\.", r"layers.\1.mlp_norm."),
         (_LAYER + r"shared_mlp\.", r"layers.\1.mlp."),
+        (_LAYER + r"block_sparse_moe\.", r"layers.\1.moe."),  # routed experts, if any
     ],
 }
 _RENAMES["nemotron_h"] = _RENAMES["mamba2"]
+# Falcon-H1: every layer holds both mixers side by side (ParallelHybridMixer), each under
+# its own name, and the MLP after them.
+_RENAMES["falcon_h1"] = [
+    (r"^model\.embed_tokens\.", "embed."),
+    (r"^model\.final_layernorm\.", "final_norm."),
+    (_LAYER + r"input_layernorm\.", r"layers.\1.norm."),
+    (_LAYER + r"mamba\.", r"layers.\1.mixer.mamba."),
+    (_LAYER + r"self_attn\.", r"layers.\1.mixer.attention."),
+    (_LAYER + r"pre_ff_layernorm\.", r"layers.\1.mlp_norm."),
+    (_LAYER + r"feed_forward\.", r"layers.\1.mlp."),
+]
 _COMMON_RENAMES = [(r"^lm_head\.", "lm_head.")]
 
 
@@ -65,9 +78,26 @@ def _same(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _experts(x: np.ndarray) -> np.ndarray:
+    """Stacked expert linears [E, out, in] → grouped-matmul weights [E, in, out]."""
+    return x.transpose(0, 2, 1)
+
+
 # 2) Parameter names: (suffix pattern, target suffix(es), transform). A transform that
 # returns a tuple fills one target per entry.
 _PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
+    # Mixture of experts (before the dense rules, which would also match these names).
+    # Granite (block_sparse_moe → moe): experts fused as input_linear [E, 2I, H] (gate|up)
+    # and output_linear [E, H, I]. Nemotron-H (mixer): router "gate", per-expert linears
+    # stacked by _stack_experts into experts.up_proj [E, I, H] / experts.down_proj [E, H, I].
+    (r"moe\.router\.layer\.weight$", "moe.router.kernel", _linear),
+    (r"moe\.input_linear\.weight$", "moe.experts_up", _experts),
+    (r"moe\.output_linear\.weight$", "moe.experts_down", _experts),
+    (r"mixer\.gate\.weight$", "mixer.router.kernel", _linear),
+    (r"mixer\.gate\.e_score_correction_bias$", "mixer.score_correction_bias", _same),
+    (r"experts\.(up|down)_proj$", r"experts_\1", _experts),
+    (r"shared_experts\.(up|down)_proj\.weight$", r"shared_expert.\1.kernel", _linear),
+    (r"shared_experts\.(up|down)_proj\.bias$", r"shared_expert.\1.bias", _same),
     (r"embed\.weight$", "embed.embedding", _same),
     (r"(in_proj|out_proj|[qkvo]_proj)\.weight$", r"\1.kernel", _linear),
     (r"(in_proj|out_proj|[qkvo]_proj)\.bias$", r"\1.bias", _same),
@@ -82,6 +112,7 @@ _PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
     (r"conv1d\.weight$", "conv_weight", _conv),
     (r"conv1d\.bias$", "conv_bias", _same),
     (r"mixer\.norm\.weight$", "mixer.norm_weight", _same),
+    (r"mamba\.norm\.weight$", "mamba.norm_weight", _same),  # Falcon-H1 with mamba_rms_norm
     (r"(A_log|D|dt_bias)$", r"\1", _same),
     (r"norm\.weight$", "norm.weight", _same),
     (r"lm_head\.weight$", "lm_head.kernel", _linear),
@@ -110,6 +141,33 @@ def hf_to_module_paths(
     return None
 
 
+# Hub checkpoints store Nemotron-H's routed experts one by one:
+# "backbone.layers.1.mixer.experts.7.up_proj.weight" [I, H] → "….experts.up_proj" [E, I, H].
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Per-expert tensors stacked along a new leading expert axis (as transformers'
+    conversion mapping does on load), and the errors found (missing or mis-shaped experts)."""
+    stacked: dict[str, np.ndarray] = {}
+    per_expert: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        found = _PER_EXPERT.match(name)
+        if found is None:
+            stacked[name] = tensor
+        else:
+            per_expert.setdefault(f"{found[1]}.{found[3]}", {})[int(found[2])] = tensor
+    errors = []
+    for name, experts in sorted(per_expert.items()):
+        missing = sorted(set(range(max(experts) + 1)) - set(experts))
+        shapes = {t.shape for t in experts.values()}
+        if missing or len(shapes) > 1:
+            errors.append(f"{name}: experts {missing} missing, expert shapes {sorted(shapes)}")
+        else:
+            stacked[name] = np.stack([experts[e] for e in range(len(experts))])
+    return stacked, errors
+
+
 def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -131,7 +189,7 @@ def load_hf_checkpoint(
 
     Weights are cast to ``dtype`` except ``A_log``, ``D`` and ``dt_bias`` (fp32 always).
     Raises ``ValueError`` naming every missing, unexpected or mis-shaped tensor (with
-    shapes), and ``NotImplementedError`` for unsupported families or MoE layers.
+    shapes), and ``NotImplementedError`` for unsupported families or options.
     """
     directory = Path(directory)
     cfg = HybridConfig.from_hf(json.loads((directory / "config.json").read_text()))
@@ -141,8 +199,8 @@ def load_hf_checkpoint(
     graphdef, state = nnx.split(abstract)
     expected = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
     filled: dict[str, np.ndarray] = {}
-    errors: list[str] = []
-    for name, tensor in sorted(_read_tensors(directory).items()):
+    tensors, errors = _stack_experts(_read_tensors(directory))
+    for name, tensor in sorted(tensors.items()):
         targets = hf_to_module_paths(cfg.family, name, tensor)
         if targets is None:
             errors.append(f"unexpected tensor {name} {tensor.shape}")

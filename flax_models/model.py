@@ -1,11 +1,14 @@
 """``HybridLM``: embeddings, a stack of blocks following the layer pattern, final norm, head.
 
-A block is ``x + mixer(norm(x))`` with the mixer a Mamba2 mixer (``M``), attention (``*``)
-or an MLP (``-``); with ``mlp_per_layer`` (Bamba, Granite) a mixer block is followed by
-``x + mlp(mlp_norm(x))``. Residual branches are scaled by ``residual_multiplier`` (Granite;
-1 elsewhere). Every layer runs on the packed kernel API: ``forward`` takes packed tokens, a
-``ForwardBatch`` and slot-indexed caches (the serving path), ``__call__`` wraps a dense
-``[B, L]`` batch into that form (research and tests).
+A block is ``x + mixer(norm(x))`` with the mixer a Mamba2 mixer (``M``), attention (``*``),
+both in parallel on the same input (``P``, Falcon-H1: ``layers/parallel.py``), an MLP
+(``-``) or a mixture of experts (``E``, Nemotron-H: ``layers/moe.py``); with
+``mlp_per_layer`` (Bamba, Granite, Falcon-H1) a mixer block is followed by
+``x + mlp(mlp_norm(x))`` (GraniteMoeHybrid with experts: ``x + (mlp + moe)(mlp_norm(x))``).
+Residual branches are scaled by ``residual_multiplier`` (Granite; 1 elsewhere). Every
+layer runs on the packed kernel API: ``forward`` takes packed tokens, a ``ForwardBatch``
+and slot-indexed caches (the serving path), ``__call__`` wraps a dense ``[B, L]`` batch
+into that form (research and tests).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import pallas_kernels as pk
 from flax_models.batch import ForwardBatch, make_forward_batch
 from flax_models.cache import LayerCache, init_cache
 from flax_models.config import HybridConfig
-from flax_models.layers import MLP, Attention, Mamba2Mixer, RMSNorm
+from flax_models.layers import MLP, Attention, Mamba2Mixer, ParallelHybridMixer, RMSNorm
 from flax_models.layers.linear import linear_kwargs
+from flax_models.layers.moe import MoE
 from pallas_kernels.backend import BACKEND_NAMES, IMPLEMENTATIONS
 
 # A model-level implementation names a backend family: "the best it has for each op". Mosaic
@@ -63,25 +67,34 @@ class Block(nnx.Module):
         self.kind = kind
         self.residual_multiplier = cfg.residual_multiplier
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        mixers = {"M": Mamba2Mixer, "*": Attention}
+        mixers = {"M": Mamba2Mixer, "*": Attention, "P": ParallelHybridMixer}
         if kind == "-":
             self.mixer = MLP(cfg, dtype=dtype, rngs=rngs)
+        elif kind == "E":
+            self.mixer = MoE(cfg, dtype=dtype, implementation=implementation, rngs=rngs)
         else:
             self.mixer = mixers[kind](cfg, dtype=dtype, implementation=implementation, rngs=rngs)
-        has_mlp = cfg.mlp_per_layer and kind != "-"
+        has_mlp = cfg.mlp_per_layer and kind not in "-E"
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype) if has_mlp else None
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs) if has_mlp else None
+        # Granite MoE: routed experts beside the per-layer MLP (its shared expert), same input.
+        has_moe = has_mlp and cfg.moe_per_layer
+        self.moe = (
+            MoE(cfg, dtype=dtype, implementation=implementation, rngs=rngs) if has_moe else None
+        )
 
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: LayerCache
     ) -> tuple[jax.Array, LayerCache]:
-        if self.kind == "-":  # an MLP block carries no state
+        if self.kind in "-E":  # MLP and MoE blocks carry no state
             out = self.mixer(self.norm(h))
         else:
             out, cache = self.mixer(self.norm(h), batch, cache)
         h = h + out * self.residual_multiplier
         if self.mlp is not None:
-            h = h + self.mlp(self.mlp_norm(h)) * self.residual_multiplier
+            x = self.mlp_norm(h)
+            out = self.mlp(x) if self.moe is None else self.mlp(x) + self.moe(x)
+            h = h + out * self.residual_multiplier
         return h, cache
 
 

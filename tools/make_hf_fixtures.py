@@ -1,9 +1,10 @@
 """Build tiny random Hugging Face reference models and golden logits for the parity tests.
 
-For every family (mamba2, bamba, granitemoehybrid, granitemoehybrid_nope, nemotronh) this
-builds a tiny float32 model from a config with `transformers`, deterministically (fixed torch
-seeds), re-randomizes every parameter whose library initial value is trivial (A_log, D,
-dt_bias, all RMSNorm weights incl. the Mamba gated norm, conv1d bias; also all other weights,
+For every family (mamba2, bamba, granitemoehybrid, granitemoehybrid_nope, nemotronh, and the
+MoE variants granitemoehybrid_moe, nemotronh_moe) this builds a tiny float32 model from a
+config with `transformers`, deterministically (fixed torch seeds), re-randomizes every
+parameter whose library initial value is trivial (A_log, D, dt_bias, all RMSNorm weights incl.
+the Mamba gated norm, conv1d bias, the router's score-correction bias; also all other weights,
 so that every term of the forward contributes well above float32 noise), and writes
 
     <out_dir>/<family>/config.json         (save_pretrained)
@@ -15,7 +16,9 @@ The logits come from the model's eval-mode forward with use_cache=False, eager a
 CPU with transformers' pure-torch fallbacks (no mamba_ssm / causal_conv1d installed), so the
 Mamba2 layers run `mamba2_chunk_scan` (chunked SSD) in float32. L is chosen not to be a
 multiple of the chunk size. The script reloads every saved directory with `from_pretrained`
-and checks it reproduces the golden logits.
+and checks it reproduces the golden logits. For the MoE families the float64 reference also
+requires every routing decision to clear the runner-up by > 1e-3 (no near-ties that fp32
+implementations could break differently).
 
 This is a developer tool; it is not run by the test suite (the fixtures are committed). It
 needs torch and transformers, which the project itself does not depend on. How to run, from
@@ -46,6 +49,8 @@ from safetensors import safe_open
 from transformers import (
     BambaConfig,
     BambaForCausalLM,
+    FalconH1Config,
+    FalconH1ForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
     Mamba2Config,
@@ -118,10 +123,10 @@ def _bamba():
     return BambaForCausalLM, config, 21
 
 
-def _granite(position_embedding_type: str, layer_types: list[str]):
+def _granite(position_embedding_type: str, layer_types: list[str], **overrides):
     # dense (num_local_experts=0 -> shared_mlp only); Granite-4.0-H-like multipliers; GQA 4/2;
-    # n_groups=2; chunk 8; tied embeddings.
-    return GraniteMoeHybridConfig(
+    # n_groups=2; chunk 8; tied embeddings. ``overrides`` replace fields (the MoE variant).
+    fields = dict(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=64,  # only used by routed experts; unused here
@@ -157,6 +162,7 @@ def _granite(position_embedding_type: str, layer_types: list[str]):
         bos_token_id=1,
         eos_token_id=2,
     )
+    return GraniteMoeHybridConfig(**(fields | overrides))
 
 
 def _granitemoehybrid():
@@ -208,12 +214,189 @@ def _nemotronh():
     return NemotronHForCausalLM, config, 37
 
 
+# --- MoE families (routed experts) -------------------------------------------------------------
+
+
+def _granitemoehybrid_moe():
+    # Granite-4.0-H Tiny/Small style: after every mixer, routed SwiGLU experts (8, top-2, width
+    # 24, softmax over the top-k logits) summed with the shared MLP (width 48).
+    config = _granite(
+        "rope",
+        ["mamba", "attention"],
+        vocab_size=128,
+        intermediate_size=24,
+        shared_intermediate_size=48,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    return GraniteMoeHybridForCausalLM, config, 21
+
+
+def _nemotronh_moe():
+    # Nemotron 3 Nano style MoE blocks ('E'): sigmoid router + score-correction bias (selection
+    # only), grouped top-k (8 experts in 2 groups, 1 group kept, top-3), renormalised and scaled
+    # by routed_scaling_factor 2.5; relu2 experts without a gate (width 32) + one shared expert
+    # (width 48). Pattern mixes all four block kinds.
+    config = NemotronHConfig(
+        vocab_size=128,
+        hidden_size=64,
+        hybrid_override_pattern="MEM*E-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        attention_bias=False,
+        intermediate_size=64,
+        mlp_hidden_act="relu2",
+        mlp_bias=False,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        n_shared_experts=1,
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        mamba_hidden_act="silu",
+        n_groups=2,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=16,
+        use_conv_bias=True,
+        mamba_proj_bias=False,
+        use_bias=False,
+        time_step_min=0.02,
+        time_step_max=0.1,
+        layer_norm_epsilon=1e-5,
+        residual_in_fp32=False,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return NemotronHForCausalLM, config, 37
+
+
+# --- Falcon-H1 (attention and Mamba2 in parallel in every layer) ----------------------------
+
+
+def _falcon_h1():
+    # Every µP multiplier != 1 and a non-trivial ssm_multipliers (mup) vector; mamba_rms_norm
+    # False (as in the released Falcon-H1 models: y * silu(z), no norm); mamba_d_ssm = 96 !=
+    # expand * hidden (128); attention head_dim 24 != hidden / heads (16), GQA 4/2; dt clamp
+    # (0.02, 1.0) so both bounds bite; chunk 8, L = 21 (2 full chunks + 5); untied.
+    config = FalconH1Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        mamba_d_ssm=96,
+        mamba_n_heads=12,
+        mamba_d_head=8,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+        mamba_rms_norm=False,
+        mamba_norm_before_gate=False,
+        projectors_bias=False,
+        time_step_limit=(0.02, 1.0),
+        embedding_multiplier=2.5,
+        lm_head_multiplier=0.4,
+        attention_in_multiplier=0.7,
+        attention_out_multiplier=0.8,
+        key_multiplier=1.6,
+        ssm_in_multiplier=1.3,
+        ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.2, 0.75, 1.4, 0.5],
+        mlp_multipliers=[0.8, 0.65],
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return FalconH1ForCausalLM, config, 21
+
+
+def _falcon_h1_norm():
+    # The other switches: gated RMSNorm on with norm_before_gate (rmsnorm(y) * silu(z), n_groups
+    # 1), every bias on (in_proj, out_proj via projectors_bias, attention, MLP), no conv bias,
+    # mamba_d_ssm None (= expand * hidden) and mamba_d_head "auto", tied embeddings, and a
+    # partial_rotary_factor that Falcon-H1's default RoPE ignores (it rotates the whole head).
+    # Smaller: hidden 32, chunk 4, L = 11 (2 full chunks + 3).
+    config = FalconH1Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 500.0,
+            "partial_rotary_factor": 0.5,
+        },
+        mamba_d_ssm=None,
+        mamba_n_heads=8,
+        mamba_d_head="auto",
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=4,
+        mamba_conv_bias=False,
+        mamba_proj_bias=True,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=True,
+        projectors_bias=True,
+        embedding_multiplier=0.6,
+        lm_head_multiplier=1.7,
+        attention_in_multiplier=1.25,
+        attention_out_multiplier=0.9,
+        key_multiplier=0.7,
+        ssm_in_multiplier=0.8,
+        ssm_out_multiplier=1.35,
+        ssm_multipliers=[1.3, 0.7, 1.1, 0.85, 1.5],
+        mlp_multipliers=[1.2, 0.75],
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return FalconH1ForCausalLM, config, 11
+
+
 FAMILIES = {
     "mamba2": (_mamba2, 1001),
     "bamba": (_bamba, 1002),
     "granitemoehybrid": (_granitemoehybrid, 1003),
     "granitemoehybrid_nope": (_granitemoehybrid_nope, 1004),
     "nemotronh": (_nemotronh, 1005),
+    "granitemoehybrid_moe": (_granitemoehybrid_moe, 1011),
+    "nemotronh_moe": (_nemotronh_moe, 1012),
+    "falcon_h1": (_falcon_h1, 1021),
+    "falcon_h1_norm": (_falcon_h1_norm, 1022),
 }
 
 
@@ -231,7 +414,9 @@ def rerandomize(model: torch.nn.Module, seed: int) -> None:
       conv1d.bias ~ U(-0.5, 0.5);  conv1d.weight ~ U(-0.5, 0.5)
       embeddings ~ N(0, 0.5^2)
       other 2D weights (Linear [out, in]) ~ N(0, 1 / in)
+      stacked expert weights [E, out, in] ~ N(0, 1 / in)
       other 1D (biases, none in these configs) ~ U(-0.2, 0.2)
+      e_score_correction_bias (a buffer: Nemotron-H's router) ~ U(-0.2, 0.2)
     Tied parameters are visited once (named_parameters dedups them).
     """
     gen = torch.Generator().manual_seed(seed)
@@ -255,8 +440,15 @@ def rerandomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
         elif p.ndim == 2:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        elif p.ndim == 3:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[2]))
         else:
             uniform(p, -0.2, 0.2)
+    # The sigmoid router's score-correction bias shifts which experts are chosen (scores lie
+    # in (0, 1)); it is a buffer, so named_parameters skips it.
+    for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+        if name.endswith("e_score_correction_bias"):
+            uniform(b, -0.2, 0.2)
 
 
 def dt_clamp_report(model, input_ids) -> str:
@@ -276,6 +468,8 @@ def dt_clamp_report(model, input_ids) -> str:
     for h in hooks:
         h.remove()
     for name, (m, proj) in captured.items():
+        if hasattr(m, "mup_vector"):  # Falcon-H1 scales in_proj's output per segment
+            proj = proj * m.mup_vector
         dt = torch.nn.functional.softplus(proj[..., -m.num_heads :] + m.dt_bias)
         lo, hi = m.time_step_limit
         lines.append(
@@ -307,11 +501,19 @@ def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def _ref_mamba2(x, W, pre, nh, hd, N, G, K, eps, dt_lo, dt_hi):
+def _lin(x, W, name):
+    """A torch Linear: x @ weight.T, plus its bias when the checkpoint has one."""
+    return x @ W[name + ".weight"].T + W.get(name + ".bias", 0.0)
+
+
+def _ref_mamba2(x, W, pre, nh, hd, N, G, K, eps, dt_lo, dt_hi, *, mup=1.0, gate="norm(y*silu(z))"):
+    """mup: Falcon-H1's per-channel in_proj scale; gate: "norm(y*silu(z))" (Mamba2),
+    "norm(y)*silu(z)" (norm before gate) or "y*silu(z)" (no norm: Falcon-H1's
+    mamba_rms_norm=False)."""
     bsz, L, _ = x.shape
     di = nh * hd
     # in_proj output = [z (di) | xBC (di + 2*G*N) | dt (nh)]
-    z, xbc, dt = np.split(x @ W[pre + "in_proj.weight"].T, [di, 2 * di + 2 * G * N], axis=-1)
+    z, xbc, dt = np.split(_lin(x, W, pre + "in_proj") * mup, [di, 2 * di + 2 * G * N], axis=-1)
     cw = W[pre + "conv1d.weight"][:, 0, :]  # [conv_dim, K], causal depthwise, left zero pad K-1
     padded = np.concatenate([np.zeros((bsz, K - 1, xbc.shape[-1])), xbc], axis=1)
     conv = sum(padded[:, k : k + L, :] * cw[:, k] for k in range(K))
@@ -333,18 +535,25 @@ def _ref_mamba2(x, W, pre, nh, hd, N, G, K, eps, dt_lo, dt_hi):
         h = h * np.exp(dt[:, t] * A)[:, :, None, None]
         h = h + (dt[:, t, :, None] * xs[:, t])[..., None] * Bt[:, :, None, :]
         y[:, t] = np.einsum("bhpn,bhn->bhp", h, Ct) + D[:, None] * xs[:, t]
-    y = y.reshape(bsz, L, di) * _silu(z)  # gate first, then grouped RMS norm
-    yg = y.reshape(bsz, L, G, di // G)
-    yg = yg / np.sqrt((yg * yg).mean(-1, keepdims=True) + eps)
-    y = yg.reshape(bsz, L, di) * W[pre + "norm.weight"]
-    return y @ W[pre + "out_proj.weight"].T
+    y = y.reshape(bsz, L, di)
+    if gate != "norm(y)*silu(z)":
+        y = y * _silu(z)  # gate first, then (if any) grouped RMS norm
+    if gate != "y*silu(z)":
+        yg = y.reshape(bsz, L, G, di // G)
+        yg = yg / np.sqrt((yg * yg).mean(-1, keepdims=True) + eps)
+        y = yg.reshape(bsz, L, di) * W[pre + "norm.weight"]
+    if gate == "norm(y)*silu(z)":
+        y = y * _silu(z)
+    return _lin(y, W, pre + "out_proj")
 
 
-def _ref_attention(x, W, pre, nh, nkv, hd, scaling, rope_theta, rotary_fraction):
+def _ref_attention(
+    x, W, pre, nh, nkv, hd, scaling, rope_theta, rotary_fraction, *, key_multiplier=1.0
+):
     bsz, L, _ = x.shape
-    q = (x @ W[pre + "q_proj.weight"].T).reshape(bsz, L, nh, hd)
-    k = (x @ W[pre + "k_proj.weight"].T).reshape(bsz, L, nkv, hd)
-    v = (x @ W[pre + "v_proj.weight"].T).reshape(bsz, L, nkv, hd)
+    q = _lin(x, W, pre + "q_proj").reshape(bsz, L, nh, hd)
+    k = _lin(x, W, pre + "k_proj").reshape(bsz, L, nkv, hd) * key_multiplier
+    v = _lin(x, W, pre + "v_proj").reshape(bsz, L, nkv, hd)
     if rope_theta is not None:  # rotate-half RoPE on the first rd dims of each head
         rd = int(hd * rotary_fraction)
         ang = np.arange(L)[:, None] * (1.0 / rope_theta ** (np.arange(0, rd, 2) / rd))[None]
@@ -363,10 +572,78 @@ def _ref_attention(x, W, pre, nh, nkv, hd, scaling, rope_theta, rotary_fraction)
     s = np.exp(s - s.max(-1, keepdims=True))
     s = s / s.sum(-1, keepdims=True)
     o = np.einsum("bhqk,bkhd->bqhd", s, v[:, :, kv_of]).reshape(bsz, L, nh * hd)
-    return o @ W[pre + "o_proj.weight"].T
+    return _lin(o, W, pre + "o_proj")
+
+
+# Routing margins seen by the MoE references: per router decision, the smallest gap (over
+# tokens) between the last chosen and the first rejected score. build() requires them well
+# above float32 noise, so fp32 implementations cannot choose other experts than float64 does.
+ROUTING_MARGINS: list[float] = []
+
+
+def _topk_margin(scores: np.ndarray, k: int) -> float:
+    ranked = -np.sort(-scores, axis=-1)
+    return float((ranked[:, k - 1] - ranked[:, k]).min()) if k < scores.shape[-1] else math.inf
+
+
+def _ref_experts(x, w_in, w_out, idx, weights, gated):
+    """Routed experts token by token: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), with
+    w_in [E, 2I (gate|up) or I, H], w_out [E, H, I]; gated: silu(gate) * up, else relu(up)^2."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for j, e in enumerate(idx[t]):
+            hidden = w_in[e] @ flat[t]
+            if gated:
+                gate, up = np.split(hidden, 2)
+                hidden = _silu(gate) * up
+            else:
+                hidden = np.maximum(hidden, 0.0) ** 2
+            out[t] += weights[t, j] * (w_out[e] @ hidden)
+    return out.reshape(x.shape)
+
+
+def _ref_granite_moe(x, W, pre, top_k):
+    # softmax over the top-k router logits (= softmax over all, renormalised over the top k)
+    logits = x.reshape(-1, x.shape[-1]) @ W[pre + "router.layer.weight"].T
+    ROUTING_MARGINS.append(_topk_margin(logits, top_k))
+    idx = np.argsort(-logits, axis=-1)[:, :top_k]
+    top = np.take_along_axis(logits, idx, axis=-1)
+    weights = np.exp(top - top.max(-1, keepdims=True))
+    weights = weights / weights.sum(-1, keepdims=True)
+    w_in, w_out = W[pre + "input_linear.weight"], W[pre + "output_linear.weight"]
+    return _ref_experts(x, w_in, w_out, idx, weights, gated=True)
+
+
+def _ref_nemotron_moe(x, W, m, cfg):
+    # sigmoid scores; selection on scores + e_score_correction_bias, first the topk_group groups
+    # with the largest sum of their two best scores, then top-k inside them; weights are the
+    # plain scores, renormalised (norm_topk_prob) and scaled by routed_scaling_factor.
+    E, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    G, kg = cfg["n_group"], cfg["topk_group"]
+    flat = x.reshape(-1, x.shape[-1])
+    scores = 1.0 / (1.0 + np.exp(-(flat @ W[m + "gate.weight"].T)))
+    choice = scores + W[m + "gate.e_score_correction_bias"]
+    group_scores = -np.sort(-choice.reshape(-1, G, E // G), axis=-1)[..., :2].sum(-1)
+    ROUTING_MARGINS.append(_topk_margin(group_scores, kg))
+    kept = np.zeros(group_scores.shape, bool)
+    np.put_along_axis(kept, np.argsort(-group_scores, axis=-1)[:, :kg], True, axis=-1)
+    choice = np.where(np.repeat(kept, E // G, axis=-1), choice, -np.inf)
+    ROUTING_MARGINS.append(_topk_margin(choice, k))
+    idx = np.argsort(-choice, axis=-1)[:, :k]
+    weights = np.take_along_axis(scores, idx, axis=-1)
+    if cfg["norm_topk_prob"]:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    weights = weights * cfg["routed_scaling_factor"]
+    w_in = np.stack([W[m + f"experts.{e}.up_proj.weight"] for e in range(E)])
+    w_out = np.stack([W[m + f"experts.{e}.down_proj.weight"] for e in range(E)])
+    routed = _ref_experts(x, w_in, w_out, idx, weights, gated=False)
+    shared = np.maximum(x @ W[m + "shared_experts.up_proj.weight"].T, 0.0) ** 2
+    return routed + shared @ W[m + "shared_experts.down_proj.weight"].T
 
 
 def numpy_reference_logits(fdir: str, input_ids: np.ndarray) -> np.ndarray:
+    ROUTING_MARGINS.clear()
     with open(os.path.join(fdir, "config.json")) as fh:
         cfg = json.load(fh)
     raw = safetensors.numpy.load_file(os.path.join(fdir, "model.safetensors"))
@@ -451,7 +728,11 @@ def numpy_reference_logits(fdir: str, input_ids: np.ndarray) -> np.ndarray:
             else:
                 f = p + "shared_mlp."
                 gate, up = np.split(x @ W[f + "input_linear.weight"].T, 2, axis=-1)
-                x = (_silu(gate) * up) @ W[f + "output_linear.weight"].T
+                out = (_silu(gate) * up) @ W[f + "output_linear.weight"].T
+                if cfg["num_local_experts"]:  # routed experts beside the shared MLP
+                    moe = p + "block_sparse_moe."
+                    out = out + _ref_granite_moe(x, W, moe, cfg["num_experts_per_tok"])
+                x = out
             h = h + x * res_mult
         h = _rms(h, W[final_norm], eps)
         lm = emb if cfg["tie_word_embeddings"] else W["lm_head.weight"]
@@ -490,11 +771,74 @@ def numpy_reference_logits(fdir: str, input_ids: np.ndarray) -> np.ndarray:
             elif kind == "mlp":
                 x = np.maximum(x @ W[m + "up_proj.weight"].T, 0.0) ** 2  # relu2
                 x = x @ W[m + "down_proj.weight"].T
+            elif kind == "moe":
+                x = _ref_nemotron_moe(x, W, m, cfg)
             else:
                 raise NotImplementedError(kind)
             h = h + x
         h = _rms(h, W["backbone.norm_f.weight"], eps)
         return h @ (emb if cfg["tie_word_embeddings"] else W["lm_head.weight"]).T
+
+    if mt == "falcon_h1":
+        # Every layer: h += mamba(x * ssm_in) * ssm_out + attn(x * attn_in) * attn_out with
+        # x = input_layernorm(h); then h += down(up(x) * silu(gate(x) * g)) * d with
+        # x = pre_ff_layernorm(h); logits = lm_head(final_layernorm(h)) * lm_head_multiplier.
+        eps = cfg["rms_norm_eps"]
+        lo, hi = (_json_float(v) for v in cfg["time_step_limit"])
+        nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+        mh, G, N = cfg["mamba_n_heads"], cfg["mamba_n_groups"], cfg["mamba_d_state"]
+        d_ssm = cfg["mamba_d_ssm"] or cfg["mamba_expand"] * cfg["hidden_size"]
+        mhd = d_ssm // mh
+        mup = np.repeat(cfg["ssm_multipliers"], [d_ssm, d_ssm, G * N, G * N, mh])
+        if not cfg["mamba_rms_norm"]:
+            gate = "y*silu(z)"
+        elif cfg["mamba_norm_before_gate"]:
+            gate = "norm(y)*silu(z)"
+        else:
+            gate = "norm(y*silu(z))"
+        theta = cfg["rope_parameters"]["rope_theta"]  # whole-head RoPE, whatever the factor
+        g_mult, d_mult = cfg["mlp_multipliers"]
+        emb = W["model.embed_tokens.weight"]
+        h = emb[ids] * cfg["embedding_multiplier"]
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            x = _rms(h, W[p + "input_layernorm.weight"], eps)
+            ssm = _ref_mamba2(
+                x * cfg["ssm_in_multiplier"],
+                W,
+                p + "mamba.",
+                mh,
+                mhd,
+                N,
+                G,
+                cfg["mamba_d_conv"],
+                eps,
+                lo,
+                hi,
+                mup=mup,
+                gate=gate,
+            )
+            attn = _ref_attention(
+                x * cfg["attention_in_multiplier"],
+                W,
+                p + "self_attn.",
+                nh,
+                nkv,
+                hd,
+                hd**-0.5,
+                theta,
+                1.0,
+                key_multiplier=cfg["key_multiplier"],
+            )
+            h = h + ssm * cfg["ssm_out_multiplier"] + attn * cfg["attention_out_multiplier"]
+            x = _rms(h, W[p + "pre_ff_layernorm.weight"], eps)
+            f = p + "feed_forward."
+            up = _lin(x, W, f + "up_proj") * _silu(_lin(x, W, f + "gate_proj") * g_mult)
+            h = h + _lin(up, W, f + "down_proj") * d_mult
+        h = _rms(h, W["model.final_layernorm.weight"], eps)
+        lm = emb if cfg["tie_word_embeddings"] else W["lm_head.weight"]
+        return (h @ lm.T) * cfg["lm_head_multiplier"]
 
     raise NotImplementedError(mt)
 
@@ -544,6 +888,8 @@ def build(family: str, out_dir: str) -> None:
     ref = numpy_reference_logits(fdir, input_ids.numpy())
     ref_err = float(np.abs(ref - logits.numpy()).max())
     assert ref_err <= 1e-4 * max(1.0, float(np.abs(ref).max())), f"{family}: ref err {ref_err}"
+    margin = min(ROUTING_MARGINS, default=math.inf)
+    assert margin > 1e-3, f"{family}: routing near a tie (margin {margin:.1e}); change the seed"
 
     size = sum(os.path.getsize(os.path.join(fdir, f)) for f in os.listdir(fdir))
     assert size < 1_000_000, f"{family}: fixture too large ({size} bytes)"
@@ -554,6 +900,7 @@ def build(family: str, out_dir: str) -> None:
         f"{family}: {fdir} {size / 1024:.1f} KiB, {n_tensors} tensors, L={seq_len} "
         f"(chunk {chunk}), V={config.vocab_size}, logits std {logits.std():.3f}, "
         f"max|logit| {logits.abs().max():.3f}, max|numpy64 ref - golden| {ref_err:.1e}"
+        + (f", min routing margin {margin:.1e}" if ROUTING_MARGINS else "")
     )
     print(dt_clamp_report(model, input_ids))
 

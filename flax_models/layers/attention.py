@@ -10,7 +10,7 @@ import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import AttentionCache
 from flax_models.config import HybridConfig
-from flax_models.layers.linear import linear_kwargs
+from flax_models.layers.linear import linear_kwargs, scaled
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
@@ -26,7 +26,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: fl
 
 
 class Attention(nnx.Module):
-    """q/k/v projections → RoPE → write this step's K/V → masked-tail attention → o_proj."""
+    """q/k/v projections → RoPE → write this step's K/V → masked-tail attention → o_proj.
+
+    Falcon-H1's µP multipliers scale the input (``attention_in_multiplier``), the output
+    (``attention_out_multiplier``) and the keys (``key_multiplier``, folded into
+    ``cfg.scale``); all are 1 in the other families.
+    """
 
     def __init__(
         self,
@@ -50,6 +55,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, AttentionCache]:
         cfg, impl = self.cfg, self.implementation
         T, D = h.shape[0], cfg.head_dim
+        h = scaled(h, cfg.attention_in_multiplier)
         q = self.q_proj(h).reshape(T, cfg.num_heads, D)
         k = self.k_proj(h).reshape(T, cfg.num_kv_heads, D)
         v = self.v_proj(h).reshape(T, cfg.num_kv_heads, D)
@@ -77,4 +83,5 @@ class Attention(nnx.Module):
             sm_scale=cfg.scale,
             implementation=impl,
         )
-        return self.o_proj(out.reshape(T, cfg.num_heads * D)), AttentionCache(k=k_cache, v=v_cache)
+        out = scaled(self.o_proj(out.reshape(T, cfg.num_heads * D)), cfg.attention_out_multiplier)
+        return out, AttentionCache(k=k_cache, v=v_cache)

@@ -1,9 +1,10 @@
-"""Arguments shared by every projection of the models."""
+"""Arguments shared by every projection of the models, and static µP multipliers."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -21,3 +22,13 @@ def linear_kwargs(*, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> dict[s
         precision=pk.matmul_precision(dtype),
         rngs=rngs,
     )
+
+
+def scaled(x: jax.Array, factor: float | jax.Array) -> jax.Array:
+    """``x · factor`` for a static multiplier (µP, Falcon-H1; a float, or a per-channel
+    constant broadcast over the last axis), computed in fp32 so that a bf16 ``x`` is not
+    scaled by a bf16-rounded factor, and returned in ``x``'s dtype; ``x`` itself when the
+    factor is 1, so families without multipliers trace no extra op."""
+    if isinstance(factor, float | int) and factor == 1.0:
+        return x
+    return (x.astype(jnp.float32) * jnp.asarray(factor, jnp.float32)).astype(x.dtype)

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
-from flax_models.layers.linear import linear_kwargs
+from flax_models.layers.linear import linear_kwargs, scaled
 
 
 class Mamba2Mixer(nnx.Module):
     """in_proj → causal conv + SiLU on xBC → SSD scan → gated RMSNorm → out_proj.
 
-    ``A_log``, ``D`` and ``dt_bias`` stay fp32 whatever the compute dtype.
+    ``A_log``, ``D`` and ``dt_bias`` stay fp32 whatever the compute dtype. Falcon-H1's
+    options (neutral elsewhere): µP multipliers on the input, on each of in_proj's z | x |
+    B | C | dt segments and on the output; ``mamba_rms_norm=False`` gates with
+    ``y · silu(z)`` inside the SSM ops and has no norm; ``mamba_norm_before_gate``.
     """
 
     def __init__(
@@ -41,8 +45,14 @@ class Mamba2Mixer(nnx.Module):
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)))
         self.D = nnx.Param(jnp.ones((H,), jnp.float32))
         self.dt_bias = nnx.Param(jnp.full((H,), -2.0, jnp.float32))
-        self.norm_weight = nnx.Param(jnp.ones((cfg.mamba_d_inner,), dtype))
-        self.out_proj = nnx.Linear(cfg.mamba_d_inner, cfg.hidden_size, **linear)
+        self.norm_weight = (
+            nnx.Param(jnp.ones((cfg.mamba_d_inner,), dtype)) if cfg.mamba_rms_norm else None
+        )
+        self.out_proj = nnx.Linear(
+            cfg.mamba_d_inner,
+            cfg.hidden_size,
+            **linear_kwargs(use_bias=cfg.mamba_out_bias, dtype=dtype, rngs=rngs),
+        )
 
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
@@ -51,33 +61,50 @@ class Mamba2Mixer(nnx.Module):
         d_inner, conv_dim = cfg.mamba_d_inner, cfg.mamba_conv_dim
         num_decode = batch.num_decode
 
-        # 1) Parallel projection: z | xBC | dt.
-        zxbcdt = self.in_proj(h)
+        # 1) Parallel projection: z | xBC | dt (µP: input and per-segment multipliers).
+        zxbcdt = self._scale_segments(self.in_proj(scaled(h, cfg.mamba_in_multiplier)))
         z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
+        # Without the norm (Falcon-H1's mamba_rms_norm=False) the SSM ops gate y · silu(z).
+        ssm_gate = None if self.norm_weight is not None else z
 
         # 2-3) Causal conv + SiLU and the SSM: decode rows one step each, prefill sequences
         # chunked, both continuing from their slots' cached states.
         ys = []
         if num_decode:
+            gate = None if ssm_gate is None else ssm_gate[:num_decode]
             y, cache = self._decode(
-                xbc[:num_decode], dt[:num_decode], batch.slot_ids[:num_decode], cache
+                xbc[:num_decode], dt[:num_decode], gate, batch.slot_ids[:num_decode], cache
             )
             ys.append(y)
         if h.shape[0] > num_decode:
-            y, cache = self._prefill(xbc[num_decode:], dt[num_decode:], batch, cache)
+            gate = None if ssm_gate is None else ssm_gate[num_decode:]
+            y, cache = self._prefill(xbc[num_decode:], dt[num_decode:], gate, batch, cache)
             ys.append(y)
         y = jnp.concatenate(ys) if len(ys) > 1 else ys[0]
 
         # 4) Gated grouped RMSNorm (groups of d_inner / G), then the output projection.
-        y = pk.gated_rms_norm(
-            y,
-            z,
-            self.norm_weight[...],
-            group_size=d_inner // cfg.mamba_groups,
-            eps=cfg.norm_eps,
-            implementation=self.implementation,
-        )
-        return self.out_proj(y), cache
+        if self.norm_weight is not None:
+            y = pk.gated_rms_norm(
+                y,
+                z,
+                self.norm_weight[...],
+                group_size=d_inner // cfg.mamba_groups,
+                eps=cfg.norm_eps,
+                norm_before_gate=cfg.mamba_norm_before_gate,
+                implementation=self.implementation,
+            )
+        return scaled(self.out_proj(y), cfg.mamba_out_multiplier), cache
+
+    def _scale_segments(self, zxbcdt: jax.Array) -> jax.Array:
+        """Falcon-H1's µP vector: in_proj's z | x | B | C | dt segments times
+        ``mamba_zxbcdt_multipliers`` (a constant; nothing when they are all 1)."""
+        cfg = self.cfg
+        multipliers = cfg.mamba_zxbcdt_multipliers
+        if all(m == 1.0 for m in multipliers):
+            return zxbcdt
+        gn = cfg.mamba_groups * cfg.mamba_state_size
+        sizes = (cfg.mamba_d_inner, cfg.mamba_d_inner, gn, gn, cfg.mamba_num_heads)
+        return scaled(zxbcdt, np.repeat(np.asarray(multipliers, np.float32), sizes))
 
     def _split_xbc(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """xBC[T, conv_dim] → x[T, H, P], B[T, G, N], C[T, G, N]."""
@@ -89,6 +116,12 @@ class Mamba2Mixer(nnx.Module):
             B.reshape(T, G, N),
             C.reshape(T, G, N),
         )
+
+    def _heads(self, gate: jax.Array | None) -> jax.Array | None:
+        """z[T, d_inner] → z[T, H, P] for the SSM ops' gate (None stays None)."""
+        if gate is None:
+            return None
+        return gate.reshape(gate.shape[0], self.cfg.mamba_num_heads, self.cfg.mamba_head_dim)
 
     def _ssm_params(self) -> dict:
         return dict(
@@ -106,7 +139,12 @@ class Mamba2Mixer(nnx.Module):
         return None if self.conv_bias is None else self.conv_bias[...]
 
     def _decode(
-        self, xbc: jax.Array, dt: jax.Array, slot_ids: jax.Array, cache: MambaCache
+        self,
+        xbc: jax.Array,
+        dt: jax.Array,
+        gate: jax.Array | None,
+        slot_ids: jax.Array,
+        cache: MambaCache,
     ) -> tuple[jax.Array, MambaCache]:
         """One token per row: conv update and selective state update, in place."""
         xbc, conv_state = pk.causal_conv1d_update(
@@ -120,12 +158,25 @@ class Mamba2Mixer(nnx.Module):
         )
         x, B, C = self._split_xbc(xbc)
         y, ssm_state = pk.selective_state_update(
-            cache.ssm_state, x, dt, self._A(), B, C, slot_ids=slot_ids, **self._ssm_params()
+            cache.ssm_state,
+            x,
+            dt,
+            self._A(),
+            B,
+            C,
+            z=self._heads(gate),
+            slot_ids=slot_ids,
+            **self._ssm_params(),
         )
         return y.reshape(y.shape[0], -1), MambaCache(conv_state=conv_state, ssm_state=ssm_state)
 
     def _prefill(
-        self, xbc: jax.Array, dt: jax.Array, batch: ForwardBatch, cache: MambaCache
+        self,
+        xbc: jax.Array,
+        dt: jax.Array,
+        gate: jax.Array | None,
+        batch: ForwardBatch,
+        cache: MambaCache,
     ) -> tuple[jax.Array, MambaCache]:
         """Packed prefill sequences: causal conv1d and the chunk-aligned SSD scan."""
         cfg, nd = self.cfg, batch.num_decode
@@ -151,6 +202,7 @@ class Mamba2Mixer(nnx.Module):
             self._A(),
             B,
             C,
+            z=self._heads(gate),
             metadata=batch.chunks,
             chunk_size=cfg.mamba_chunk_size,
             state_cache=cache.ssm_state,

@@ -6,6 +6,7 @@ tools/make_hf_fixtures.py (transformers 5.23.0, torch 2.13.0 CPU); CI needs no t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -22,6 +23,7 @@ from flax_models.batch import make_forward_batch
 from flax_models.cache import init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
+from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM, layer_implementation
 from pallas_kernels.testing import assert_close
 
@@ -214,11 +216,20 @@ def test_hub_style_configs(name):
     ("config", "match"),
     [
         (dict(model_type="llama"), "model_type='llama' is not supported"),
+        # MoE options that change the computation and are not implemented (tests at the end).
+        (dict(HUB_CONFIGS["nemotron_hub_pattern"][0], moe_latent_size=8), "moe_latent_size=8"),
         (
-            dict(HUB_CONFIGS["granite_hub_layer_names"][0], num_local_experts=8),
-            "num_local_experts=8",
+            dict(HUB_CONFIGS["nemotron_hub_pattern"][0], num_nextn_predict_layers=1),
+            "num_nextn_predict_layers=1",
         ),
-        (dict(HUB_CONFIGS["nemotron_hub_pattern"][0], hybrid_override_pattern="M*E"), "MoE"),
+        (
+            dict(HUB_CONFIGS["nemotron_hub_pattern"][0], mamba_hidden_act="gelu"),
+            "mamba_hidden_act='gelu'",
+        ),
+        (
+            dict(HUB_CONFIGS["granite_hub_layer_names"][0], hidden_act="gelu"),
+            "hidden_act='gelu'",
+        ),
     ],
 )
 def test_unsupported_configs_raise_not_implemented(config, match):
@@ -308,3 +319,333 @@ def test_a_slot_outside_the_cache_is_padding_in_every_layer():
     # The padding sequence changes nothing for the others: same logits without it.
     alone = np.asarray(model(tokens[None, :5]))[0]
     assert_close(logits[:5], alone, rtol=1e-5, name="sequence beside a padding one")
+
+
+# --- Falcon-H1: attention and Mamba2 in parallel in every layer ('P'), µP multipliers ---------
+
+# A Hub-style Falcon-H1 config.json, shrunk: transformers 4 spelling (rope_theta at the top
+# level, rope_scaling null) and keys the 5.23 modeling ignores (mamba_use_mlp,
+# attn_layer_indices, num_logits_to_keep).
+FALCON_HUB = dict(
+    model_type="falcon_h1",
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    mamba_d_ssm=16,
+    mamba_n_heads=4,
+    mamba_d_head=4,
+    mamba_d_state=4,
+    mamba_n_groups=1,
+    mamba_chunk_size=4,
+    mamba_rms_norm=False,
+    mamba_norm_before_gate=False,
+    mamba_use_mlp=True,
+    attn_layer_indices=None,
+    num_logits_to_keep=1,
+    rope_theta=1e11,
+    rope_scaling=None,
+    time_step_limit=[0.0, math.inf],
+    embedding_multiplier=5.0,
+    lm_head_multiplier=0.25,
+    key_multiplier=0.5,
+    ssm_multipliers=[0.5, 0.25, 0.5, 0.5, 1.0],
+    mlp_multipliers=[0.5, 0.25],
+)
+
+
+def test_falcon_h1_has_fixtures():
+    assert {"falcon_h1", "falcon_h1_norm"} <= set(FAMILIES)
+
+
+def test_falcon_h1_hub_config():
+    cfg = HybridConfig.from_hf(FALCON_HUB)
+    assert (cfg.layer_pattern, cfg.mlp_per_layer, cfg.family) == ("PPP", True, "falcon_h1")
+    assert (cfg.mamba_d_inner, cfg.rope_theta, cfg.rotary_dim) == (16, 1e11, 8)
+    assert cfg.logits_scaling == 4.0 and not cfg.mamba_rms_norm
+    model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(0))
+    assert model.layers[0].mixer.mamba.norm_weight is None  # mamba_rms_norm=False: no norm
+    logits = jax.jit(model.__call__)(jnp.zeros((1, 5), jnp.int32))
+    assert logits.shape == (1, 5, 32) and np.all(np.isfinite(logits))
+
+
+def test_falcon_h1_absent_fields_take_the_transformers_defaults():
+    """FalconH1Config's defaults (5.23) are not the other families': mamba_d_ssm 1024,
+    128 heads of 8, state 256, 8 KV heads, no gated norm (norm before gate if on), and
+    Falcon-H1's default RoPE turns the whole head whatever partial_rotary_factor says."""
+    cfg = HybridConfig.from_hf(
+        dict(
+            model_type="falcon_h1",
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=16,
+            rope_parameters=dict(rope_type="default", rope_theta=100.0, partial_rotary_factor=0.5),
+        )
+    )
+    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size) == (128, 8, 256)
+    assert (cfg.num_kv_heads, cfg.mamba_rms_norm, cfg.mamba_norm_before_gate) == (8, False, True)
+    assert (cfg.partial_rotary_factor, cfg.rope_theta) == (1.0, 100.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(hidden_act="gelu"), NotImplementedError, "hidden_act='gelu'"),
+        (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), NotImplementedError, "rope"),
+        (
+            dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
+            NotImplementedError,
+            "rope",
+        ),
+        (dict(mamba_d_head=3), ValueError, "mamba_d_ssm=16"),
+    ],
+)
+def test_falcon_h1_unsupported_or_inconsistent_fields_raise(change, error, match):
+    with pytest.raises(error, match=match):
+        HybridConfig.from_hf(FALCON_HUB | change)
+
+
+def test_falcon_h1_bf16_keeps_ssm_parameters_fp32():
+    model = load_hf_checkpoint(FIXTURES / "falcon_h1", dtype=jnp.bfloat16, implementation="xla")
+    for block in model.layers:
+        mamba = block.mixer.mamba
+        for p in (mamba.A_log, mamba.D, mamba.dt_bias):
+            assert p[...].dtype == jnp.float32
+        assert mamba.in_proj.kernel[...].dtype == jnp.bfloat16
+        assert block.mixer.attention.q_proj.kernel[...].dtype == jnp.bfloat16
+
+
+def test_falcon_h1_layer_caches_hold_both_states():
+    cfg = HybridConfig.from_hf(FALCON_HUB)
+    caches = init_cache(cfg, num_slots=3, max_len=10)
+    assert len(caches) == 3
+    for cache in caches:
+        assert cache.mamba.ssm_state.shape == (3, 4, 4, 4)
+        assert cache.mamba.conv_state.shape == (3, 3, cfg.mamba_conv_dim)
+        assert cache.attention.k.shape == cache.attention.v.shape == (3, 10, 1, 8)
+
+
+# --- Mixture of experts: GraniteMoeHybrid with experts, Nemotron-H 'E' blocks ------------------
+
+MOE_FAMILIES = ("granitemoehybrid_moe", "nemotronh_moe")
+
+# Hub-style MoE config.json files, shrunk: Granite-4.0-H Tiny (layer names "mamba"/"attention",
+# routed experts of width intermediate_size beside the shared MLP) and Nemotron 3 Nano (the
+# legacy hybrid_override_pattern, group-free sigmoid routing, fields 5.23 ignores).
+MOE_HUB_CONFIGS = {
+    "granite_tiny": (
+        dict(
+            HUB_CONFIGS["granite_hub_layer_names"][0],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=8,
+            router_aux_loss_coef=0.0,
+        ),
+        "M*M",
+    ),
+    "nemotron_nano": (
+        dict(
+            HUB_CONFIGS["nemotron_hub_pattern"][0],
+            hybrid_override_pattern="MEM*E",
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            moe_shared_expert_intermediate_size=12,
+            n_shared_experts=1,
+            moe_shared_expert_overlap=False,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rope_theta=10000,
+        ),
+        "MEM*E",
+    ),
+}
+
+
+def test_moe_families_have_fixtures():
+    assert set(MOE_FAMILIES) <= set(FAMILIES)
+
+
+def test_moe_fixtures_build_the_moe_layers():
+    granite = load_hf_checkpoint(FIXTURES / "granitemoehybrid_moe", implementation="xla")
+    assert granite.cfg.moe_per_layer and granite.cfg.moe_router == "softmax"
+    for block in granite.layers:  # routed experts beside the shared MLP in every layer
+        assert block.moe.experts_up[...].shape == (8, 64, 2 * 24)  # [E, K, gate|up]
+        assert block.moe.experts_down[...].shape == (8, 24, 64)
+        assert block.moe.shared_expert is None and block.moe.score_correction_bias is None
+    nemotron = load_hf_checkpoint(FIXTURES / "nemotronh_moe", implementation="xla")
+    cfg = nemotron.cfg
+    assert (cfg.layer_pattern, cfg.moe_router, cfg.n_group, cfg.topk_group) == (
+        "MEM*E-",
+        "sigmoid",
+        2,
+        1,
+    )
+    for i in (1, 4):
+        moe = nemotron.layers[i].mixer
+        assert moe.experts_up[...].shape == (8, 64, 32)
+        assert moe.shared_expert.up.kernel[...].shape == (64, 48)
+        assert np.any(np.asarray(moe.score_correction_bias[...]) != 0)
+
+
+@pytest.mark.parametrize("name", sorted(MOE_HUB_CONFIGS))
+def test_moe_hub_style_configs(name):
+    config, pattern = MOE_HUB_CONFIGS[name]
+    cfg = HybridConfig.from_hf(config)
+    assert cfg.layer_pattern == pattern and cfg.num_experts in (4, 8)
+    model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((1, 5), jnp.int32))
+    assert logits.shape == (1, 5, 32) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(num_experts=0), "num_experts >= 1"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok <= num_experts"),
+        (dict(n_group=3), "must divide num_experts=8"),
+        (dict(topk_group=3), "topk_group"),
+        (dict(moe_router="softmax"), "group-limited routing"),
+        (dict(num_experts_per_tok=5), "exceeds the 4 experts of the kept groups"),
+    ],
+)
+def test_inconsistent_moe_settings_are_rejected(change, match):
+    fields = dict(_moe_config("sigmoid").__dict__) | change
+    with pytest.raises(ValueError, match=match):
+        HybridConfig(**fields)
+
+
+def _moe_config(router: str, **overrides) -> HybridConfig:
+    """One 'E' block: 8 experts of width 12 over hidden 16; sigmoid: 2 groups, one kept,
+    top-3, relu² experts and a shared expert; softmax: top-2 SwiGLU experts."""
+    fields = dict(
+        family="nemotron_h",
+        vocab_size=32,
+        hidden_size=16,
+        layer_pattern="E",
+        num_experts=8,
+        moe_intermediate_size=12,
+        moe_router=router,
+    )
+    if router == "sigmoid":
+        fields |= dict(
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            moe_activation="relu2",
+            shared_expert_intermediate_size=8,
+        )
+    else:
+        fields |= dict(num_experts_per_tok=2, moe_activation="silu")
+    return HybridConfig(**(fields | overrides))
+
+
+def _moe_oracle(moe, x: np.ndarray) -> np.ndarray:
+    """float64, token by token, no sorting: route, run the chosen experts, sum."""
+    cfg = moe.cfg
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(moe.router.kernel[...], np.float64)
+    up, down = (np.asarray(p[...], np.float64) for p in (moe.experts_up, moe.experts_down))
+    E, k, size = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_experts // cfg.n_group
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        if cfg.moe_router == "softmax":
+            probs = np.exp(logits[t] - logits[t].max())
+            probs /= probs.sum()
+            chosen = np.argsort(-logits[t])[:k]
+            weights = probs[chosen] / (probs[chosen].sum() if cfg.norm_topk_prob else 1.0)
+        else:
+            scores = 1.0 / (1.0 + np.exp(-logits[t]))
+            choice = scores + np.asarray(moe.score_correction_bias[...], np.float64)
+            groups = [
+                np.sort(choice[g * size : (g + 1) * size])[-2:].sum() for g in range(E // size)
+            ]
+            kept = np.argsort(groups)[::-1][: cfg.topk_group]
+            allowed = [e for e in range(E) if e // size in kept]
+            chosen = sorted(allowed, key=lambda e: -choice[e])[:k]
+            weights = scores[chosen] / (scores[chosen].sum() if cfg.norm_topk_prob else 1.0)
+        for e, w in zip(chosen, weights * cfg.routed_scaling_factor, strict=True):
+            h = x[t] @ up[e]
+            if cfg.moe_activation == "silu":
+                gate, lin = np.split(h, 2)
+                h = gate / (1.0 + np.exp(-gate)) * lin
+            else:
+                h = np.maximum(h, 0.0) ** 2
+            out[t] += w * (h @ down[e])
+    if moe.shared_expert is not None:
+        shared = moe.shared_expert
+        h = np.maximum(x @ np.asarray(shared.up.kernel[...], np.float64), 0.0) ** 2
+        out += h @ np.asarray(shared.down.kernel[...], np.float64)
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize(
+    ("router", "overrides"),
+    [("sigmoid", {}), ("softmax", {}), ("softmax", dict(norm_topk_prob=False))],
+)
+def test_moe_layer_matches_a_token_by_token_oracle(router, overrides, implementation):
+    cfg = _moe_config(router, **overrides)
+    moe = MoE(cfg, dtype=jnp.float32, implementation=implementation, rngs=nnx.Rngs(3))
+    if moe.score_correction_bias is not None:
+        moe.score_correction_bias[...] = jax.random.uniform(jax.random.key(4), (8,)) * 0.4 - 0.2
+    x = jax.random.normal(jax.random.key(5), (13, cfg.hidden_size))
+    assert_close(moe(x), _moe_oracle(moe, x), rtol=1e-5, name=f"{router} MoE")
+
+
+def test_missing_expert_is_reported(tmp_path):
+    directory = _copy_fixture("nemotronh_moe", tmp_path)
+
+    def change(t):
+        del t["backbone.layers.1.mixer.experts.3.up_proj.weight"]
+
+    _rewrite(directory, change)
+    with pytest.raises(ValueError, match=r"layers\.1\.mixer\.experts\.up_proj: experts \[3\]"):
+        load_hf_checkpoint(directory)
+
+
+def test_moe_model_is_differentiable():
+    """jax.grad reaches the experts (grouped_matmul) and the router (through the weights)."""
+    model = HybridLM(_moe_config("sigmoid"), implementation="auto", rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(6), (2, 7), 0, 32)
+    grads = nnx.grad(lambda m: jnp.mean(m(ids) ** 2))(model)
+    moe = grads.layers[0].mixer
+    for g in (moe.experts_up, moe.experts_down, moe.router.kernel):
+        g = np.asarray(g[...])
+        assert np.isfinite(g).all() and np.abs(g).max() > 0
+
+
+def test_falcon_h1_both_states_carry_across_steps():
+    """A parallel layer carries two states (conv/SSM and KV) in one slot: prefill 11 tokens
+    (a chunk boundary inside), continue with 8 more from the cache, then decode two: every
+    step's logits are the one-pass logits of the same positions."""
+    model = load_hf_checkpoint(FIXTURES / "falcon_h1", implementation="xla")
+    ids, _ = golden("falcon_h1")
+    tokens = ids[0]
+    full = np.asarray(jax.jit(model.__call__)(ids[:1]))[0]
+    caches = init_cache(model.cfg, num_slots=2, max_len=32)
+    slot = 1  # slot 0 stays unused: its state must not leak in
+
+    @functools.partial(jax.jit, static_argnames=("start", "stop", "decode"))
+    def step(caches, *, start, stop, decode):
+        batch = make_forward_batch(
+            jnp.asarray([0, stop - start], jnp.int32),
+            jnp.asarray([start], jnp.int32),
+            jnp.asarray([slot], jnp.int32),
+            num_tokens=stop - start,
+            chunk_size=model.cfg.mamba_chunk_size,
+            num_decode=int(decode),
+        )
+        return model.forward(tokens[start:stop], batch, caches)
+
+    for start, stop in ((0, 11), (11, 19), (19, 20), (20, 21)):
+        logits, caches = step(caches, start=start, stop=stop, decode=stop - start == 1)
+        assert_close(logits, full[start:stop], rtol=1e-5, name=f"tokens {start}:{stop}")
