@@ -8,7 +8,11 @@
    longer than the token budget) and prints per-request tokens, prefill and decode
    tokens/s, the number of compiled programs, and the largest logit difference between the
    serving path (chunked prefill over the caches) and the plain ``xla`` forward.
-2. Runs a ragged batch through every kernel op and prints one row per op: shapes, relative
+2. Text in, text out (``--text DIR``, by default the tiny fixture with a tokenizer in
+   ``tests/fixtures/text/``): ``LLM.generate`` on a batch of prompts with per-request
+   sampling settings and a stop string, ``LLM.stream`` piece by piece, and ``LLM.chat``
+   through the directory's chat template.
+3. Runs a ragged batch through every kernel op and prints one row per op: shapes, relative
    and max absolute error against the float64 oracles of ``pallas_kernels.testing``, and
    the median time of the jitted call.
 """
@@ -16,9 +20,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -283,9 +289,65 @@ def model_demo(checkpoint: str | None, implementation: str, seed: int = 0) -> di
     )
 
 
+# The tiny checkpoint with a tokenizer, when run from a source checkout.
+TEXT_FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "text"
+
+
+def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
+    """Text through ``LLM``: a batch with per-request settings, a stream, a chat reply.
+    Returns the lines it printed."""
+    from flax_models.serving.llm import LLM
+    from flax_models.serving.sampling import SamplingParams
+
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line)
+
+    llm = LLM(directory, implementation=implementation, max_slots=4, max_len=96, token_budget=32)
+    shown = os.path.relpath(directory) if Path(directory).is_absolute() else directory
+    say(
+        f"\ntext: {shown} (tokenizer of {llm.tokenizer.get_vocab_size()} tokens, eos ids "
+        f"{sorted(llm.eos_token_ids)}; a random model: expect gibberish)"
+    )
+    prompts = ["Hello world", "The quick brown fox", "Café 😀 日本語", "Once upon a time"]
+    sampling = [
+        SamplingParams(max_new_tokens=12),
+        SamplingParams(max_new_tokens=12, stop=["xo"]),
+        SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20, seed=2),
+    ]
+    for prompt, params, completion in zip(
+        prompts, sampling, llm.generate(prompts, sampling), strict=True
+    ):
+        settings = (
+            "greedy"
+            if params.greedy
+            else f"T={params.temperature} top_k={params.top_k} top_p={params.top_p}"
+        )
+        if params.stop:
+            settings += f", stop={list(params.stop)}"
+        say(
+            f"  generate {prompt!r} ({settings}) -> {completion.text!r} "
+            f"[{completion.finish_reason}, {len(completion.token_ids)} tokens]"
+        )
+    pieces = list(llm.stream("Hello world", sampling[2]))
+    say(f"  stream 'Hello world' -> {pieces}")
+    messages = [{"role": "user", "content": "Hi! Tell me a story."}]
+    reply = llm.chat(messages, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))[0]
+    say(f"  chat prompt {reply.prompt!r} -> {reply.text!r} [{reply.finish_reason}]")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=None, help="a Hugging Face model directory")
+    parser.add_argument(
+        "--text",
+        default=str(TEXT_FIXTURE) if TEXT_FIXTURE.is_dir() else None,
+        help="a Hugging Face directory with tokenizer.json (default: the tiny text fixture)",
+    )
     parser.add_argument(
         "--implementation", default="auto", choices=["auto", "xla", "triton", "mosaic"]
     )
@@ -315,6 +377,12 @@ def main() -> None:
     print(
         f"  largest logit difference, serving path vs xla forward: {result['max_logit_diff']:.2e}"
     )
+
+    if args.text:
+        try:
+            text_demo(args.text, args.implementation)
+        except ModuleNotFoundError as error:  # tokenizers / jinja2 not installed here
+            print(f"\ntext: skipped ({error}; pip install tokenizers jinja2)")
 
     print(
         f"\nkernels on a ragged batch: lengths={list(LENGTHS)} computed={list(COMPUTED)} "

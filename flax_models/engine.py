@@ -7,22 +7,25 @@ bucketed batch. Caches are donated to the jitted step and updated in place. Requ
 as slots free up and leave when done (continuous batching); a prompt longer than the
 budget is spread over several steps (chunked prefill).
 
-Sampling runs inside the jitted step, with temperature, top-k and the random key as data,
-so a step is one program per bucket whatever the sampling settings: after ``warmup()``
-every program a generation can need is compiled and ``compile_count`` stays put.
+Sampling runs inside the jitted step (``flax_models.serving.sampling``), with each row's
+temperature, top-k, top-p, seed and token counter as data, so a step is one program per
+bucket whatever the mix of sampling settings: after ``warmup()`` every program a
+generation can need is compiled and ``compile_count`` stays put. Each request draws with
+its own key, ``fold_in(key(seed), index of the token among its generated tokens)``, so its
+tokens never depend on what it is batched with.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import numbers
 import operator
 import reprlib
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,14 @@ from flax_models.batch import make_forward_batch
 from flax_models.batching import BatchBuilder, Request, StepArrays
 from flax_models.cache import init_cache
 from flax_models.model import HybridLM
+from flax_models.serving.sampling import (
+    SamplingParams,
+    request_keys,
+    sample_tokens,
+    sampling_arrays,
+)
+
+__all__ = ["Engine", "TokenEvent", "sample_tokens"]
 
 
 @dataclasses.dataclass
@@ -42,6 +53,8 @@ class _Sequence:
 
     index: int
     prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]  # the engine's eos ids and the request's stop_token_ids
     slot: int | None = None
     num_computed: int = 0  # tokens already in the cache
     generated: list[int] = dataclasses.field(default_factory=list)
@@ -51,9 +64,14 @@ class _Sequence:
         return self.num_computed >= len(self.prompt)
 
 
-# Seeds are 32-bit: the step builds its key from a uint32 scalar (data, not a constant, so one
-# program serves every seed); jax.random.key(seed) gives the same key for these seeds.
-_SEED_LIMIT = 2**32
+class TokenEvent(NamedTuple):
+    """One generated token of ``Engine.stream``: request ``index`` (prompt order), the
+    ``token``, and ``finish_reason`` when it is the request's last (``"stop"``: an eos or
+    stop token, or the ``stop`` callback said so; ``"length"``: ``max_new_tokens``)."""
+
+    index: int
+    token: int
+    finish_reason: Literal["stop", "length"] | None
 
 
 def _check_buckets(
@@ -152,12 +170,14 @@ class Engine:
         slot_ids,
         temperature,
         top_k,
-        seed,
-        step_index,
+        top_p,
+        seeds,
+        counters,
         *,
         num_decode,
     ):
-        """One step and its sampling: ``(logits[R, V], next_tokens[R], caches)``."""
+        """One step and its sampling: ``(logits[R, V], next_tokens[R], caches)``; the
+        sampling settings are per row (``serving.sampling.sampling_arrays``)."""
         self.compile_count += 1  # runs once per trace, i.e. per compiled program
         model = nnx.merge(self._graphdef, params)
         batch = make_forward_batch(
@@ -171,22 +191,20 @@ class Engine:
         # Each sequence's last token (padding sequences read an arbitrary row).
         last_rows = jnp.maximum(query_start_loc[1:] - 1, 0)
         logits, caches = model.forward(tokens, batch, caches, logits_rows=last_rows)
-        # A fresh key per step of a generation, from data: no program per seed or step.
-        key = jax.random.fold_in(jax.random.key(seed), step_index)
-        return logits, sample_tokens(logits, key, temperature, top_k), caches
+        # A key per row from its request's seed and token counter, as data: no program per
+        # seed or step, and no dependence on the row's neighbours.
+        keys = request_keys(seeds, counters)
+        return logits, sample_tokens(logits, keys, temperature, top_k, top_p), caches
 
     def _run(
-        self,
-        arrays: StepArrays,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int = 0,
-        step_index: int = 0,
+        self, arrays: StepArrays, sampling: dict[str, np.ndarray] | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """Runs one built step and samples from it: ``(logits[R, V], tokens[R])``, on the
-        device (``R`` sequence rows, padding included)."""
+        device (``R`` sequence rows, padding included). ``sampling``: the rows' settings
+        from ``sampling_arrays`` (None: greedy)."""
         rows = arrays.slot_ids.shape[0]
+        if sampling is None:
+            sampling = sampling_arrays([None] * rows, [0] * rows)
         start = time.perf_counter()
         try:
             logits, tokens, self.caches = self._jitted(
@@ -196,10 +214,11 @@ class Engine:
                 arrays.query_start_loc,
                 arrays.num_computed_tokens,
                 arrays.slot_ids,
-                np.full(rows, temperature, np.float32),
-                np.full(rows, top_k or 0, np.int32),  # 0: no top-k restriction
-                np.uint32(seed),
-                np.int32(step_index),
+                sampling["temperature"],
+                sampling["top_k"],
+                sampling["top_p"],
+                sampling["seeds"],
+                sampling["counters"],
                 num_decode=arrays.num_decode,
             )
         except BaseException:
@@ -265,54 +284,117 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
+        prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+        max_new_tokens: int | None = None,
         *,
         temperature: float = 0.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         seed: int = 0,
-        eos_id: int | None = None,
+        eos_id: int | Iterable[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool | None = None,
     ) -> list[list[int]]:
-        """Generates up to ``max_new_tokens`` per prompt; the new tokens only, in order.
+        """Generates up to ``max_new_tokens`` (16 when None) per prompt; the new tokens only,
+        one list per prompt, in prompt order.
 
         Greedy at ``temperature=0``; otherwise samples from the softmax of
-        ``logits / temperature`` over the ``top_k`` largest (all when None), with keys from
-        ``seed`` (an int in ``[0, 2**32)``). Every argument and prompt (token ids in
-        ``[0, vocab_size)``) is checked before any slot or cache is touched; the slots
-        taken come back however the call ends (an error, an interrupt), so the engine
-        stays usable. No prompts or ``max_new_tokens=0`` give empty results.
+        ``logits / temperature`` over the ``top_k`` largest and then the ``top_p`` nucleus
+        (all when None), with keys from ``seed`` (an int in ``[0, 2**32)``). These settings
+        are those of ``SamplingParams``; ``sampling=`` gives them as one ``SamplingParams``
+        or one per prompt (then leave the keywords alone). A sequence ends at
+        ``max_new_tokens`` or at a token of ``eos_id`` (one id or several) or of its
+        ``stop_token_ids`` (kept as its last token).
+
+        ``prompts`` is a list of prompts, each a list, NumPy or JAX array of int token ids
+        in ``[0, vocab_size)``, or a 2-D int array (one prompt per row). Every argument and
+        prompt is checked before any slot or cache is touched; the slots taken come back
+        however the call ends (an error, an interrupt), so the engine stays usable. No
+        prompts or ``max_new_tokens=0`` give empty results.
+        """
+        if sampling is None:
+            sampling = SamplingParams(
+                max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+            )
+        elif max_new_tokens is not None or (temperature, top_k, top_p, seed) != (0, None, None, 0):
+            raise ValueError(
+                "give the sampling settings either as sampling= or as keywords, not both"
+            )
+        events = self.stream(prompts, sampling, eos_ids=eos_id, progress=progress)
+        generated: list[list[int]] = [[] for _ in range(events.num_requests)]
+        for event in events:
+            generated[event.index].append(event.token)
+        return generated
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        eos_ids: int | Iterable[int] | None = None,
+        stop: Callable[[int, int], bool] | None = None,
+        progress: bool | None = None,
+    ) -> _EventStream:
+        """Generates like ``generate``, yielding each token as it is drawn: ``TokenEvent(index,
+        token, finish_reason)``, in the order the steps produce them (a request's own
+        tokens in order). ``sampling``: one ``SamplingParams`` for every prompt, one per
+        prompt, or None for the defaults.
+
+        ``stop(index, token)``, when given, is called on the host after each generated token
+        that is not a stop token; True ends that request there (``finish_reason="stop"``):
+        how the text layer stops at stop strings. Everything is checked here, before the
+        first step; stopping the iteration early (``close()``, a ``break``) gives the slots
+        back.
         """
         prompts = self._check_prompts(prompts)
-        max_new_tokens = _check_int("max_new_tokens", max_new_tokens, low=0)
-        if top_k is not None:
-            top_k = _check_int("top_k", top_k, low=1)
-        if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature!r} must be a finite number")
-        if temperature < 0:
-            raise ValueError(f"{temperature=} must be >= 0 (0: greedy)")
-        seed = _check_int("seed", seed, low=0)
-        if seed >= _SEED_LIMIT:
-            raise ValueError(f"{seed=} must be < 2**32")
-        if eos_id is not None:
-            eos_id = _check_int("eos_id", eos_id)
-        for i, prompt in enumerate(prompts):
-            if len(prompt) + max_new_tokens > self.builder.max_len:
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
                 raise ValueError(
-                    f"prompt {i}: {len(prompt)} tokens + {max_new_tokens} new "
+                    f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or "
+                    "one per prompt"
+                )
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling {i} is a {type(p).__name__}, not SamplingParams")
+        if eos_ids is None:
+            eos_ids = ()
+        elif isinstance(eos_ids, numbers.Integral):
+            eos_ids = (eos_ids,)
+        eos = frozenset(_check_int("eos_id", t) for t in eos_ids)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            if len(prompt) + p.max_new_tokens > self.builder.max_len:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens + {p.max_new_tokens} new "
                     f"exceed max_len={self.builder.max_len}"
                 )
-        if not prompts or max_new_tokens == 0:
-            return [[] for _ in prompts]
+        sequences = [
+            _Sequence(i, prompt, p, eos | frozenset(p.stop_token_ids))
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return _EventStream(self._schedule(sequences, stop, progress), len(prompts))
 
-        waiting = collections.deque(_Sequence(i, p) for i, p in enumerate(prompts))
+    def _schedule(
+        self,
+        sequences: list[_Sequence],
+        stop: Callable[[int, int], bool] | None,
+        progress: bool | None,
+    ) -> Iterator[TokenEvent]:
+        """The scheduler loop of ``stream`` over checked requests."""
+        waiting = collections.deque(s for s in sequences if s.params.max_new_tokens > 0)
+        if not waiting:
+            return
         running: list[_Sequence] = []
-        finished: dict[int, list[int]] = {}
-        bar = _Progress(len(prompts) * max_new_tokens, enabled=progress)
+        bar = _Progress(sum(s.params.max_new_tokens for s in waiting), enabled=progress)
         # Every slot this call takes is back in the free list when it returns or raises
         # (however far it got): the free list is restored as it was on entry.
         free_on_entry = list(self._free_slots)
-        step_index = 0
         try:
             while waiting or running:
                 while waiting and self._free_slots:
@@ -336,48 +418,79 @@ class Engine:
                         for s, n in prefill
                     ],
                 )
-                _, tokens = self._run(
-                    arrays, temperature=temperature, top_k=top_k, seed=seed, step_index=step_index
-                )
-                tokens = np.asarray(tokens)
-                step_index += 1
                 fed = [(s, 1) for s in decode] + prefill
-                for (seq, count), row in zip(fed, self.builder.request_rows(arrays), strict=True):
+                rows = self.builder.request_rows(arrays)
+                # Each row samples with its request's settings and key; rows whose token is
+                # not used (a prompt not done after this step, padding) take the argmax.
+                row_params: list[SamplingParams | None] = [None] * arrays.slot_ids.shape[0]
+                counters = [0] * len(row_params)
+                for (seq, count), row in zip(fed, rows, strict=True):
+                    if seq.num_computed + count >= len(seq.prompt):
+                        row_params[row] = seq.params
+                        counters[row] = len(seq.generated)
+                _, tokens = self._run(arrays, sampling_arrays(row_params, counters))
+                tokens = np.asarray(tokens)
+                for (seq, count), row in zip(fed, rows, strict=True):
                     seq.num_computed += count
                     if not seq.prompt_done:
                         continue
                     token = int(tokens[row])
                     seq.generated.append(token)
                     bar.advance()
-                    if len(seq.generated) == max_new_tokens or token == eos_id:
-                        finished[seq.index] = seq.generated
+                    if token in seq.stop_ids or (stop is not None and stop(seq.index, token)):
+                        reason = "stop"
+                    elif len(seq.generated) == seq.params.max_new_tokens:
+                        reason = "length"
+                    else:
+                        reason = None
+                    if reason is not None:
                         running.remove(seq)
                         self.release_slot(seq.slot)
+                    yield TokenEvent(seq.index, token, reason)
         finally:
             self._free_slots = free_on_entry
             bar.close()
-        return [finished[i] for i in range(len(prompts))]
 
-    def _check_prompts(self, prompts: Iterable[Sequence[int]]) -> list[list[int]]:
+    def _check_prompts(self, prompts) -> list[list[int]]:
         """Prompts as lists of ints in ``[0, vocab_size)``; ``ValueError`` naming the first
-        bad one."""
+        bad one. A prompt is a list of ints or a 1-D NumPy/JAX integer array; ``prompts``
+        is a list of them or a 2-D integer array."""
         if isinstance(prompts, str | bytes):
             raise ValueError("prompts must be a list of token-id lists, not a string")
+        if hasattr(prompts, "__array__") and not isinstance(prompts, list | tuple):
+            prompts = np.asarray(prompts)
+            if prompts.ndim == 1:
+                raise ValueError(
+                    f"prompts is a flat array of {prompts.shape[0]} token ids; pass a list of "
+                    "prompts or a 2-D array [prompts, tokens], e.g. [ids]"
+                )
+            if prompts.ndim != 2:
+                raise ValueError(
+                    f"a prompts array must be 2-D [prompts, tokens], got shape {prompts.shape}"
+                )
+            prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise ValueError(
+                f"prompts must be a list of token-id lists, got {reprlib.repr(prompts)}"
+            ) from None
+        if prompts and all(_is_token(p) for p in prompts):
+            raise ValueError(
+                f"prompts={reprlib.repr(prompts)} is a flat list of token ids; pass a list of "
+                "prompts, e.g. [[1, 2, 3]]"
+            )
         vocab = self.cfg.vocab_size
         checked = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str | bytes):
                 raise ValueError(f"prompt {i} is a string; a prompt is a list of int token ids")
-            ids = []
-            try:
-                for token in prompt:
-                    if isinstance(token, bool):  # an int to Python, never a token id
-                        raise TypeError
-                    ids.append(operator.index(token))
-            except TypeError:
+            ids = _token_ids(prompt)
+            if ids is None:
                 raise ValueError(
-                    f"prompt {i} must be a list of int token ids, got {reprlib.repr(prompt)}"
-                ) from None
+                    f"prompt {i} must be a list or 1-D array of int token ids (not floats or "
+                    f"bools), got {reprlib.repr(prompt)}"
+                )
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             for position, token in enumerate(ids):
@@ -388,6 +501,53 @@ class Engine:
                     )
             checked.append(ids)
         return checked
+
+
+class _EventStream:
+    """The iterator ``Engine.stream`` returns: its ``TokenEvent``s, and ``num_requests``."""
+
+    def __init__(self, events: Iterator[TokenEvent], num_requests: int):
+        self._events, self.num_requests = events, num_requests
+
+    def __iter__(self) -> _EventStream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        """Stops the generation; its slots go back to the engine."""
+        self._events.close()
+
+
+def _is_token(value: object) -> bool:
+    """An int-like scalar (a Python, NumPy or 0-d array integer), not a prompt."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Integral):
+        return True
+    return getattr(value, "ndim", None) == 0
+
+
+def _token_ids(prompt: object) -> list[int] | None:
+    """``prompt`` as a list of ints, or None when it is not a sequence of integer ids
+    (floats, bools, nested lists and scalars are refused)."""
+    if hasattr(prompt, "__array__") and not isinstance(prompt, list | tuple):
+        array = np.asarray(prompt)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            return None
+        return [int(t) for t in array.tolist()]
+    ids = []
+    try:
+        for token in prompt:
+            if isinstance(token, bool | np.bool_):  # an int to Python, never a token id
+                return None
+            if hasattr(token, "dtype") and np.dtype(token.dtype).kind not in "iu":
+                return None
+            ids.append(operator.index(token))
+    except TypeError:
+        return None
+    return ids
 
 
 def _check_int(name: str, value: object, *, low: int | None = None) -> int:
@@ -401,49 +561,6 @@ def _check_int(name: str, value: object, *, low: int | None = None) -> int:
     if low is not None and number < low:
         raise ValueError(f"{name}={number} must be >= {low}")
     return number
-
-
-def sample_tokens(
-    logits: jax.Array,
-    key: jax.Array,
-    temperature: float | jax.Array = 0.0,
-    top_k: int | jax.Array | None = None,
-) -> jax.Array:
-    """Next token of each row of ``logits[R, V]``, ``int32[R]``, on the device.
-
-    Rows at ``temperature <= 0`` take the argmax; the others draw from
-    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (ties at
-    the cutoff kept; all when None). ``temperature`` (scalar or ``f32[R]``) and ``top_k``
-    (scalar or ``int32[R]``) are data, not static arguments: under ``jax.jit`` one program
-    serves every setting (the engine samples inside its step this way). In an array,
-    ``top_k < 1`` or ``>= V`` also means no restriction (how a row says None).
-    """
-    if top_k is not None and not isinstance(top_k, jax.core.Tracer) and np.any(np.less(top_k, 1)):
-        raise ValueError(f"top_k={top_k} must be >= 1 or None")
-    rows, vocab = logits.shape
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (rows,))
-    top_k = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), (rows,))
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = temperature > 0
-
-    def draw() -> jax.Array:
-        scaled = logits.astype(jnp.float32) / jnp.where(sampled, temperature, 1.0)[:, None]
-        limited = sampled & (top_k >= 1) & (top_k < vocab)
-
-        def restrict(scaled: jax.Array) -> jax.Array:
-            # The k-th largest logit of each row is its cutoff (k is data: a sort, not
-            # lax.top_k, whose k is static).
-            ascending = jnp.sort(scaled, axis=-1)
-            position = (vocab - jnp.clip(top_k, 1, vocab))[:, None]
-            cutoff = jnp.take_along_axis(ascending, position, axis=-1)
-            return jnp.where(limited[:, None] & (scaled < cutoff), -jnp.inf, scaled)
-
-        # Skip the sort when no row restricts (one branch runs, both are compiled).
-        scaled = jax.lax.cond(jnp.any(limited), restrict, lambda s: s, scaled)
-        drawn = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-        return jnp.where(sampled, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
 
 
 class _Progress:

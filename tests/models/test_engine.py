@@ -13,6 +13,7 @@ import pytest
 from flax_models.batching import Request
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.engine import Engine, sample_tokens
+from flax_models.serving.sampling import SamplingParams
 from pallas_kernels.testing import assert_close
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -142,15 +143,31 @@ def test_no_compilation_after_warmup():
                     budget -= n
             if decode or prefill:
                 engine.step(engine.builder.build(decode, prefill))
-        for temperature, top_k, seed in ((0.0, None, 0), (1.0, 3, 1), (0.7, None, 2**32 - 1)):
+        settings = ((0.0, None, None, 0), (1.0, 3, None, 1), (0.7, None, 0.9, 2**32 - 1))
+        for temperature, top_k, top_p, seed in settings:
             lengths = rng.integers(1, 40, size=int(rng.integers(1, 7)))
             engine.generate(
                 random_prompts(rng, m.cfg.vocab_size, lengths),
                 int(rng.integers(1, 5)),
                 temperature=temperature,
                 top_k=top_k,
+                top_p=top_p,
                 seed=seed,
             )
+        # Every request with its own settings, in one generation.
+        mixed = [
+            SamplingParams(
+                max_new_tokens=int(rng.integers(1, 5)),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop_token_ids=(7,),
+            )
+            for temperature, top_k, top_p, seed in settings * 2
+        ]
+        lengths = rng.integers(1, 40, size=len(mixed))
+        engine.generate(random_prompts(rng, m.cfg.vocab_size, lengths), sampling=mixed)
     assert after_warmup == []
     assert engine.compile_count == compiled
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -12,12 +15,43 @@ PYPROJECT = Path(__file__).parent.parent.parent / "pyproject.toml"
 
 
 def test_flax_models_reexports_its_public_api():
-    public = {"HybridConfig", "HybridLM", "load_hf_checkpoint", "Engine"}
+    public = {
+        "HybridConfig",
+        "HybridLM",
+        "load_hf_checkpoint",
+        "Engine",
+        "LLM",
+        "SamplingParams",
+        "Completion",
+    }
     assert public <= set(flax_models.__all__)
     for name in flax_models.__all__:
         assert getattr(flax_models, name) is not None, name
     assert flax_models.Engine.__module__ == "flax_models.engine"
     assert flax_models.HybridLM.__module__ == "flax_models.model"
+    assert flax_models.LLM.__module__ == "flax_models.serving.llm"
+    assert flax_models.SamplingParams.__module__ == "flax_models.serving.sampling"
+
+
+def test_dependencies_cover_the_text_path():
+    """LLM needs tokenizers and jinja2, the generate CLI tqdm; none is imported with the
+    package, so `import flax_models` works without them."""
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower() for d in dependencies}
+    assert {"tokenizers", "jinja2", "tqdm"} <= names
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, flax_models; "
+            "print(sorted({'tokenizers', 'jinja2', 'tqdm'} & set(sys.modules)))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert loaded.stdout.strip() == "[]"
 
 
 def test_license_is_an_spdx_expression_for_a_setuptools_that_reads_it():

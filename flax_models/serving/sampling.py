@@ -1,0 +1,227 @@
+"""Sampling settings per request, and the device sampler the engine's step runs.
+
+``SamplingParams`` is what a request asks for (as in vLLM): how many tokens, temperature,
+top-k, top-p, its seed, and what stops it. It is checked once, when it is made.
+
+``sample_tokens`` draws the next token of every row of a step's logits on the device, with
+every setting as data (one value per row), so one compiled step serves any mix of
+requests. Each row draws with its own key, ``request_keys(seeds, counters)``: the key of a
+request's ``n``-th generated token is ``fold_in(key(seed), n)``, so a request's tokens
+depend on its own seed and prompt only, never on the requests it is batched with, nor on
+the step its token happens to be drawn in.
+
+Filtering follows transformers' and vLLM's order: divide by the temperature, keep the
+``top_k`` largest logits, then the smallest set of the largest whose probabilities (after
+top-k) sum to at least ``top_p``; ties at either cutoff are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Seeds are 32-bit: the step builds keys from uint32 data (not constants, so one program
+# serves every seed); jax.random.key(seed) gives the same key for these seeds.
+SEED_LIMIT = 2**32
+
+
+def _int(name: str, value: object, *, low: int | None = None) -> int:
+    """``value`` as an int (bools and fractional numbers refused), ``>= low`` when given."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int") from None
+    if low is not None and number < low:
+        raise ValueError(f"{name}={number} must be >= {low}")
+    return number
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be finite")
+    return value
+
+
+def _strings(name: str, value: str | Iterable[str]) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else tuple(value)
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"{name}={value!r} must be non-empty strings")
+    return items
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates (checked on construction: ``ValueError`` names the field).
+
+    Attributes:
+      max_new_tokens: tokens to generate at most (>= 0).
+      temperature: 0 is greedy (argmax); otherwise the softmax of ``logits / temperature``
+        (finite, >= 0).
+      top_k: keep the ``top_k`` largest logits (an int >= 1), or None for all.
+      top_p: keep the smallest set of largest-probability tokens whose probabilities sum
+        to at least ``top_p`` (in (0, 1]), or None for all (same as 1).
+      seed: the request's random seed, an int in ``[0, 2**32)``. The same seed and prompt
+        give the same tokens, whatever else runs in the same batch.
+      stop_token_ids: token ids that end the completion (on top of the checkpoint's eos),
+        with ``finish_reason="stop"``; the stopping token is kept in ``token_ids``, not in
+        the text.
+      stop: strings that end the completion when the generated text contains one (it may
+        span several tokens); the text is cut before it.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, low=0))
+        temperature = _number("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"{temperature=} must be >= 0 (0: greedy)")
+        put("temperature", temperature)
+        if self.top_k is not None:
+            put("top_k", _int("top_k", self.top_k, low=1))
+        if self.top_p is not None:
+            top_p = _number("top_p", self.top_p)
+            if not 0 < top_p <= 1:
+                raise ValueError(f"{top_p=} must be in (0, 1]")
+            put("top_p", top_p)
+        seed = _int("seed", self.seed, low=0)
+        if seed >= SEED_LIMIT:
+            raise ValueError(f"{seed=} must be < 2**32")
+        put("seed", seed)
+        ids = self.stop_token_ids
+        ids = (ids,) if isinstance(ids, numbers.Integral) else ids
+        try:
+            put("stop_token_ids", tuple(_int("stop_token_ids", t, low=0) for t in ids))
+        except TypeError:
+            raise ValueError(f"stop_token_ids={ids!r} must be ints") from None
+        put("stop", _strings("stop", self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def request_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
+    """One key per row, ``fold_in(key(seeds[r]), counters[r])``: ``seeds`` uint32[R] and
+    ``counters`` int32[R] (the index of the token being drawn among the request's
+    generated tokens) -> keys[R]."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, counters)
+
+
+def filter_logits(
+    logits: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+) -> jax.Array:
+    """``logits[R, V]`` scaled by ``1 / temperature`` (shifted by the row maximum, so a
+    tiny temperature cannot overflow) with the tokens top-k and top-p remove set to
+    ``-inf``: ``f32[R, V]``, the distribution ``sample_tokens`` draws from. Rows with
+    ``temperature <= 0`` are scaled by 1. Array settings: ``top_k < 1`` or ``>= V`` and
+    ``top_p`` outside ``(0, 1)`` mean no restriction."""
+    rows, vocab = logits.shape
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (rows,))
+    top_k = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), (rows,))
+    top_p = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), (rows,))
+    logits = logits.astype(jnp.float32)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    limit_k = (top_k >= 1) & (top_k < vocab)
+    limit_p = (top_p > 0) & (top_p < 1)
+
+    def restrict(scaled: jax.Array) -> jax.Array:
+        # k and p are data: one sort per row (lax.top_k's k is static), then each cutoff is
+        # a value of the sorted row; a token survives when it is >= both cutoffs.
+        descending = -jnp.sort(-scaled, axis=-1)
+        kth = jnp.take_along_axis(descending, (jnp.clip(top_k, 1, vocab) - 1)[:, None], axis=-1)
+        keep_k = ~limit_k[:, None] | (descending >= kth)
+        # Top-p on the distribution left by top-k: a sorted token is kept while the mass
+        # before it is below p (the first always is).
+        probs = jax.nn.softmax(jnp.where(keep_k, descending, -jnp.inf), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        keep = keep_k & (~limit_p[:, None] | (before < top_p[:, None]))
+        count = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # kept tokens form a sorted prefix
+        cutoff = jnp.take_along_axis(descending, (count - 1)[:, None], axis=-1)
+        return jnp.where(scaled < cutoff, -jnp.inf, scaled)
+
+    # Skip the sort when no row restricts (one branch runs, both are compiled).
+    return jax.lax.cond(jnp.any(limit_k | limit_p), restrict, lambda s: s, scaled)
+
+
+def sample_tokens(
+    logits: jax.Array,
+    key: jax.Array,
+    temperature: float | jax.Array = 0.0,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+) -> jax.Array:
+    """Next token of each row of ``logits[R, V]``, ``int32[R]``, on the device.
+
+    Rows at ``temperature <= 0`` take the argmax; the others draw from
+    ``filter_logits(logits, temperature, top_k, top_p)``. ``key`` is one key per row
+    (``keys[R]``, e.g. from ``request_keys``: each row's draw depends on its key and its
+    logits only) or a single key (row ``r`` then draws with ``fold_in(key, r)``).
+    ``temperature`` (scalar or ``f32[R]``), ``top_k`` (scalar or ``int32[R]``) and
+    ``top_p`` (scalar or ``f32[R]``) are data, not static arguments: under ``jax.jit`` one
+    program serves every setting (the engine samples inside its step this way). In an
+    array, ``top_k < 1`` or ``>= V`` and ``top_p`` outside ``(0, 1)`` mean no restriction
+    (how a row says None); a Python scalar must be valid (``ValueError`` otherwise).
+    """
+    if isinstance(top_k, numbers.Number) and not (
+        isinstance(top_k, numbers.Integral) and top_k >= 1
+    ):
+        raise ValueError(f"top_k={top_k} must be an int >= 1 or None")
+    if isinstance(top_p, numbers.Number) and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] or None")
+    rows = logits.shape[0]
+    if key.ndim == 0:
+        key = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (rows,))
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = temperature > 0
+
+    def draw() -> jax.Array:
+        filtered = filter_logits(logits, temperature, top_k, top_p)
+        drawn = jax.vmap(jax.random.categorical)(key, filtered).astype(jnp.int32)
+        return jnp.where(sampled, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
+
+
+_GREEDY = SamplingParams(max_new_tokens=0)
+
+
+def sampling_arrays(params: list[SamplingParams | None], counters: list[int]) -> dict:
+    """Per-row host arrays for the step's sampler (None: greedy, for a padding row or one
+    whose token is not used): temperature f32, top_k int32 (0: none), top_p f32 (1: none),
+    seeds uint32, counters int32."""
+    real = [_GREEDY if p is None else p for p in params]
+    return dict(
+        temperature=np.asarray([p.temperature for p in real], np.float32),
+        top_k=np.asarray([p.top_k or 0 for p in real], np.int32),
+        top_p=np.asarray([1.0 if p.top_p is None else p.top_p for p in real], np.float32),
+        seeds=np.asarray([p.seed for p in real], np.uint32),
+        counters=np.asarray(counters, np.int32),
+    )
