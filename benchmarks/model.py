@@ -19,6 +19,7 @@ compute-bound and take uniform routing's ``E (1 - (1 - 1/E)^(k tokens))``.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from collections.abc import Sequence
 
@@ -58,7 +59,8 @@ def _weights(model: HybridLM) -> tuple[int, int, int, int]:
     """(elements, bytes) of the dense weights, then of the routed experts' weights."""
     dense = experts = dense_bytes = expert_bytes = 0
     for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        size, nbytes = leaf.value.size, leaf.value.size * leaf.value.dtype.itemsize
+        array = leaf[...]
+        size, nbytes = array.size, array.size * array.dtype.itemsize
         if any(name in _EXPERT_PARAMS for name in map(str, path)):
             experts, expert_bytes = experts + size, expert_bytes + nbytes
         else:
@@ -140,7 +142,7 @@ def _peak_bytes() -> int | None:
 def bench_model(
     name: str, cfg: HybridConfig, dtype, args, ceilings: harness.Ceilings
 ) -> list[dict]:
-    """Every case of one model, ``xla`` then ``auto``, on the same weights."""
+    """Every case of one model, ``auto`` then ``xla``, on the same weights."""
     rng = np.random.default_rng(0)
     if args.quick:
         dense, ragged, context, decode_rows = (2, 32), [5, 40, 17], 48, (1, 4)
@@ -212,7 +214,9 @@ def bench_model(
                 routed = sum(len(r.tokens) for r in prefill) * cfg.num_experts_per_tok
                 touched[case] = 1.0 - (1.0 - 1.0 / cfg.num_experts) ** routed
     rows: list[dict] = []
-    for impl in ("xla", "auto"):
+    # auto first: a baseline that cannot run (e.g. xla's ragged_dot out of memory on a MoE
+    # prefill) must not leave the device fragmented for the rows that matter.
+    for impl in ("auto", "xla"):
         model = _with_implementation(base, impl)
         for kind, engine_args in engines.items():
             engine = Engine(model, **engine_args)
@@ -249,6 +253,7 @@ def bench_model(
                 )
                 print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
             engine = None  # free this engine's caches before the next one's
+            gc.collect()
     return rows
 
 
