@@ -39,6 +39,7 @@ from flax_models.cache import init_cache
 from flax_models.model import HybridLM
 from flax_models.serving.sampling import (
     SamplingParams,
+    check_int,
     request_keys,
     sample_tokens,
     sampling_arrays,
@@ -123,9 +124,9 @@ class Engine:
         decode_buckets: Sequence[int] | None = None,
         token_buckets: Sequence[int] | None = None,
     ):
-        max_slots = _check_int("max_slots", max_slots, low=1)
-        max_len = _check_int("max_len", max_len, low=1)
-        token_budget = _check_int("token_budget", token_budget, low=1)
+        max_slots = check_int("max_slots", max_slots, low=1)
+        max_len = check_int("max_len", max_len, low=1)
+        token_budget = check_int("token_budget", token_budget, low=1)
         self.cfg = model.cfg
         self.token_budget = token_budget
         self.builder = BatchBuilder(
@@ -367,7 +368,7 @@ class Engine:
             eos_ids = ()
         elif isinstance(eos_ids, numbers.Integral):
             eos_ids = (eos_ids,)
-        eos = frozenset(_check_int("eos_id", t) for t in eos_ids)
+        eos = frozenset(check_int("eos_id", t) for t in eos_ids)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             if len(prompt) + p.max_new_tokens > self.builder.max_len:
                 raise ValueError(
@@ -548,19 +549,6 @@ def _token_ids(prompt: object) -> list[int] | None:
     except TypeError:
         return None
     return ids
-
-
-def _check_int(name: str, value: object, *, low: int | None = None) -> int:
-    """``value`` as an int (bools refused), ``>= low`` when given; ValueError otherwise."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be an int") from None
-    if low is not None and number < low:
-        raise ValueError(f"{name}={number} must be >= {low}")
-    return number
 
 
 class _Progress:

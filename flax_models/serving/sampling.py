@@ -32,8 +32,9 @@ import numpy as np
 SEED_LIMIT = 2**32
 
 
-def _int(name: str, value: object, *, low: int | None = None) -> int:
-    """``value`` as an int (bools and fractional numbers refused), ``>= low`` when given."""
+def check_int(name: str, value: object, *, low: int | None = None) -> int:
+    """``value`` as an int (bools and fractional numbers refused), ``>= low`` when given;
+    ``ValueError`` naming ``name`` otherwise."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -94,26 +95,26 @@ class SamplingParams:
         def put(name, value):
             object.__setattr__(self, name, value)
 
-        put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, low=0))
+        put("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, low=0))
         temperature = _number("temperature", self.temperature)
         if temperature < 0:
             raise ValueError(f"{temperature=} must be >= 0 (0: greedy)")
         put("temperature", temperature)
         if self.top_k is not None:
-            put("top_k", _int("top_k", self.top_k, low=1))
+            put("top_k", check_int("top_k", self.top_k, low=1))
         if self.top_p is not None:
             top_p = _number("top_p", self.top_p)
             if not 0 < top_p <= 1:
                 raise ValueError(f"{top_p=} must be in (0, 1]")
             put("top_p", top_p)
-        seed = _int("seed", self.seed, low=0)
+        seed = check_int("seed", self.seed, low=0)
         if seed >= SEED_LIMIT:
             raise ValueError(f"{seed=} must be < 2**32")
         put("seed", seed)
         ids = self.stop_token_ids
         ids = (ids,) if isinstance(ids, numbers.Integral) else ids
         try:
-            put("stop_token_ids", tuple(_int("stop_token_ids", t, low=0) for t in ids))
+            put("stop_token_ids", tuple(check_int("stop_token_ids", t, low=0) for t in ids))
         except TypeError:
             raise ValueError(f"stop_token_ids={ids!r} must be ints") from None
         put("stop", _strings("stop", self.stop))
