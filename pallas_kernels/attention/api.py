@@ -19,6 +19,7 @@ import numpy as np
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.attention import kv_cache, mosaic, reference, triton
+from pallas_kernels.attention._layout import jit_attention
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 
 
@@ -33,12 +34,35 @@ def _triton_default_config(q, k_cache, *_, **__) -> triton.BlockSizes:
     )
 
 
+def _mosaic_attention(
+    q, k_cache, v_cache, *, causal, sm_scale, sliding_window, config: mosaic.BlockSizes, **batch
+) -> jax.Array:
+    """The Mosaic GPU kernel; its gradients run the Triton backward kernels (Pallas kernels
+    too; the Mosaic kernel has no backward of its own), from the Triton query-block
+    forward's saved logsumexp (under differentiation the forward runs that kernel)."""
+    return jit_attention(
+        triton.differentiable_attention,
+        q,
+        k_cache,
+        v_cache,
+        **batch,
+        causal=causal,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        static=dict(
+            block_sizes=_triton_default_config(q, k_cache),
+            primal=mosaic.prefill_attention,
+            primal_config=config,
+        ),
+    )
+
+
 MASKED_TAIL_ATTENTION = Op(
     "masked_tail_attention",
     (
         Backend(
             "mosaic",
-            mosaic.masked_tail_attention,
+            _mosaic_attention,
             config_type=mosaic.BlockSizes,
             default_config=lambda *_, **__: mosaic.BlockSizes(),
             supports=mosaic.supports,

@@ -39,6 +39,11 @@ Launches:
    a few per step (their loads overlap):
    ``out = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s`` with ``M = max_s m_s``.
 
+Gradients (``jax.custom_vjp``): under differentiation the forward is launch 1 with a
+``lse[T, Hq]`` output (any layout), and two backward launches, ``attention_bwd_dq`` and
+``attention_bwd_dkv``, recompute the probabilities from it (FlashAttention-2,
+Algorithm 2; see the backward section).
+
 ``write_kv`` (grid: token) copies each token's keys and values to its slot and position,
 in place through ``input_output_aliases``.
 
@@ -80,7 +85,7 @@ from pallas_kernels.attention._layout import (
     scale_operand,
     token_layout,
 )
-from pallas_kernels.backend import device_num_sms
+from pallas_kernels.backend import device_num_sms, pallas_dtypes
 
 # Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
 # then has max = finfo.min and exp2(logit - max) stays finite, where -inf - (-inf) would be
@@ -293,6 +298,7 @@ def _prefill_kernel(
     k_ref,  # [S, L, Hkv, D]
     v_ref,  # [S, L, Hkv, D]
     o_ref,  # [T, Hq, D]
+    lse_ref=None,  # [T, Hq] fp32 or None: each row's log2-sum-exp2 of its scaled logits
     *,
     group: int,
     head_dim: int,
@@ -312,12 +318,18 @@ def _prefill_kernel(
     def tile_mask(row_live):  # [block_q, bg, bd]
         return row_live[:, None, None] & g_live[None, :, None] & d_live[None, None, :]
 
-    def store(row0, row_live, value):  # value: [block_q, bg, bd]
+    def store(row0, row_live, value, lse=None):  # value: [block_q, bg, bd], lse [block_q, bg]
         plgpu.store(
             o_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
             value.astype(o_ref.dtype),
             mask=tile_mask(row_live),
         )
+        if lse_ref is not None:
+            plgpu.store(
+                lse_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg)],
+                jnp.zeros((block_q, bg), jnp.float32) if lse is None else lse,
+                mask=row_live[:, None] & g_live[None, :],
+            )
 
     zeros = jnp.zeros((block_q, bg, bd), o_ref.dtype)
     seq, row0 = prog_seq_ref[p], prog_row_ref[p]
@@ -383,9 +395,11 @@ def _prefill_kernel(
                 )
 
             carry = _softmax_init(rows, bd)
-            _, l, acc = _kv_loop(kv_block, carry, *bounds)
+            m, l, acc = _kv_loop(kv_block, carry, *bounds)
             out = acc * (1.0 / jnp.maximum(l, _TINY))[:, None]
-            store(row0, row_live, out.reshape(block_q, bg, bd))
+            # Rows that see no key: finfo.min + log2(tiny), finite (the backward masks them).
+            lse = m + jnp.log2(jnp.maximum(l, _TINY))
+            store(row0, row_live, out.reshape(block_q, bg, bd), lse.reshape(block_q, bg))
 
 
 def prefill_attention(
@@ -401,9 +415,13 @@ def prefill_attention(
     sliding_window: int | jax.Array | None,
     block_sizes: BlockSizes,
     interpret: bool = False,
-) -> jax.Array:
-    """The query-block (FlashAttention-2) kernel, for any batch; ``out[T, Hq, D]``.
-    ``causal``, ``sm_scale`` and ``sliding_window`` may be traced scalars."""
+    with_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The query-block (FlashAttention-2) kernel, for any batch; ``out[T, Hq, D]``, and
+    with ``with_lse`` also ``lse[T, Hq]`` fp32, each row's log2-sum-exp2 of its logits in
+    log2 units (what the backward kernels recompute the probabilities from; 0 for rows of
+    padding sequences and past the sequences). ``causal``, ``sm_scale`` and
+    ``sliding_window`` may be traced scalars."""
     s = _AttentionShapes.of(q, k_cache, query_start_loc)
     b = block_sizes
     if b.block_q * s.block_group < MIN_DOT_DIM:
@@ -443,7 +461,14 @@ def prefill_attention(
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         ),
         grid=(s.num_kv_heads, max_q_blocks),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=(
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(q.shape[:2], jnp.float32),
+            )
+            if with_lse
+            else jax.ShapeDtypeStruct(q.shape, q.dtype)
+        ),
         compiler_params=compiler_params(num_warps=b.num_warps, num_stages=b.num_stages),
         interpret=interpret,
         name=(
@@ -463,6 +488,471 @@ def prefill_attention(
         k_cache,
         v_cache,
     )
+
+
+# ----------------------------------------------------------------------------- backward
+#
+# FlashAttention-2's backward pass (Dao, arXiv 2307.08691, Algorithm 2), split into two
+# launches so that no two programs add into one gradient (no atomics):
+#
+# * ``attention_bwd_dq`` (grid: KV head × query block, the forward's table): a program
+#   holds its Q tile (the group's heads packed as in the forward), ``dO``, the saved
+#   log2-sum-exp2 ``lse`` and ``delta = rowsum(dO ∘ O)``, walks exactly the forward's KV
+#   blocks and accumulates ``dQ += dS K`` with ``P = 2^(S·log2e − lse)`` recomputed and
+#   ``dS = P ∘ (dO Vᵀ − delta)``.
+# * ``attention_bwd_dkv`` (grid: KV head × sequence × KV block): a program holds one block
+#   of its sequence's keys and values (skipped at or past ``kv_len``: those cache lines get
+#   0, as does every line no sequence reads) and walks the query rows that can see it,
+#   ``dV += Pᵀ dO``, ``dK += dSᵀ Q``; the GQA group's query heads sit in the same Q tile, so
+#   ``dK``, ``dV`` are summed over them inside the product.
+
+
+def _bwd_tile_loads(
+    q_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    row0,
+    row_live,
+    *,
+    head0,
+    bg,
+    bd,
+    group,
+    head_dim,
+    block_q,
+    compute_dtype,
+):
+    """The Q, dO tiles ``[block_q * bg, bd]`` and the lse, delta rows ``[block_q * bg]`` of
+    query rows ``row0..row0+block_q`` (dead rows and padded heads read 0)."""
+    g_live = jnp.arange(bg) < group
+    d_live = jnp.arange(bd) < head_dim
+    mask3 = row_live[:, None, None] & g_live[None, :, None] & d_live[None, None, :]
+    mask2 = row_live[:, None] & g_live[None, :]
+    rows, heads = pl.ds(row0, block_q), pl.ds(head0, bg)
+    cols = pl.ds(static_index(0), bd)
+    q = _load(q_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
+    do = _load(do_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
+    lse = _load(lse_ref.at[rows, heads], mask2)
+    delta = _load(delta_ref.at[rows, heads], mask2)
+    n = block_q * bg
+    return q.reshape(n, bd), do.reshape(n, bd), lse.reshape(n), delta.reshape(n)
+
+
+def _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale):
+    """``(P, dS)`` ``[rows, bk]`` of one (Q tile, KV block) pair: ``P`` recomputed from the
+    saved ``lse``, ``dS`` the gradient of the logits ``sm_scale · Q Kᵀ`` (so
+    ``dQ = sm_scale · dS K`` and ``dK = sm_scale · dSᵀ Q``)."""
+    s = dot(q, k, trans_b=True) * qk_scale
+    p = jnp.exp2(s - lse[:, None])
+    p = jnp.where(visible, p, 0.0)
+    dp = dot(do, v, trans_b=True)
+    # Selected, not multiplied: p = 0 times a NaN dp (a non-finite value a row does not
+    # see) would be NaN.
+    return p, jnp.where(visible, p * (dp - delta[:, None]), 0.0)
+
+
+def _dq_kernel(
+    prog_seq_ref,  # [max_q_blocks] int32
+    prog_row_ref,  # [max_q_blocks] int32
+    seq_end_ref,  # [B] int32
+    seq_offset_ref,  # [B] int32
+    seq_kv_len_ref,  # [B] int32
+    seq_slot_ref,  # [B] int32
+    scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
+    band_ref,  # [2] int32
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D]
+    v_ref,  # [S, L, Hkv, D]
+    do_ref,  # [T, Hq, D]
+    lse_ref,  # [T, Hq] fp32
+    delta_ref,  # [T, Hq] fp32
+    dq_ref,  # [T, Hq, D]
+    *,
+    group: int,
+    head_dim: int,
+    block_q: int,
+    block_k: int,
+    compute_dtype,
+):
+    h, p = pl.program_id(0), pl.program_id(1)
+    bg, bd = next_power_of_2(group), block_dim(head_dim, MIN_DOT_DIM)
+    rows = block_q * bg
+    head0 = h * group
+    g_live = jnp.arange(bg) < group
+    d_live = jnp.arange(bd) < head_dim
+    num_tokens = dq_ref.shape[0]
+
+    def store(row0, row_live, value):  # value: [block_q, bg, bd]
+        plgpu.store(
+            dq_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
+            value.astype(dq_ref.dtype),
+            mask=row_live[:, None, None] & g_live[None, :, None] & d_live[None, None, :],
+        )
+
+    zeros = jnp.zeros((block_q, bg, bd), jnp.float32)
+    seq, row0 = prog_seq_ref[p], prog_row_ref[p]
+
+    @pl.when((seq < 0) & (row0 < num_tokens))
+    def _zero_unowned_rows():
+        store(row0, row0 + jnp.arange(block_q) < num_tokens, zeros)
+
+    @pl.when(seq >= 0)
+    def _live_program():
+        row_end = seq_end_ref[seq]
+        row_live = row0 + jnp.arange(block_q) < row_end
+        slot = seq_slot_ref[seq]
+
+        @pl.when(slot < 0)
+        def _padding_sequence():
+            store(row0, row_live, zeros)
+
+        @pl.when(slot >= 0)
+        def _attend():
+            kv_len = seq_kv_len_ref[seq]
+            qk_scale, sm_scale = scale_ref[0], scale_ref[1]
+            left, right = band_ref[0], band_ref[1]
+            pos_first = row0 + seq_offset_ref[seq]
+            pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
+            pos = pos_first + jnp.arange(rows) // bg
+            hi = jnp.clip(pos_last + right + 1, 0, kv_len)
+            full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
+            lo = jnp.maximum(pos_first - left + 1, 0)
+            full_lo = jnp.maximum(pos_last - left + 1, 0)
+            bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
+            q, do, lse, delta = _bwd_tile_loads(
+                q_ref,
+                do_ref,
+                lse_ref,
+                delta_ref,
+                row0,
+                row_live,
+                head0=head0,
+                bg=bg,
+                bd=bd,
+                group=group,
+                head_dim=head_dim,
+                block_q=block_q,
+                compute_dtype=compute_dtype,
+            )
+
+            def kv_block(j, dq, *, masked):
+                start = j * block_k
+                keys = start + jnp.arange(block_k)
+                visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
+                if masked:
+                    visible &= keys[None, :] <= pos[:, None] + right
+                    visible &= keys[None, :] > pos[:, None] - left
+                load = functools.partial(
+                    _load_kv,
+                    slot=slot,
+                    start=start,
+                    h=h,
+                    block_k=block_k,
+                    head_dim=head_dim,
+                    kv_len=kv_len,
+                    masked=masked,
+                )
+                k, v = load(k_ref).astype(compute_dtype), load(v_ref).astype(compute_dtype)
+                _, ds = _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale)
+                return dq + dot(ds.astype(compute_dtype), k)
+
+            dq = _kv_loop(kv_block, jnp.zeros((rows, bd), jnp.float32), *bounds)
+            store(row0, row_live, (dq * sm_scale).reshape(block_q, bg, bd))
+
+
+def _dkv_kernel(
+    seq_start_ref,  # [B] int32: first packed row of the sequence, clipped to [0, T]
+    seq_end_ref,  # [B] int32
+    seq_offset_ref,  # [B] int32
+    seq_kv_len_ref,  # [B] int32
+    seq_slot_ref,  # [B] int32
+    scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
+    band_ref,  # [2] int32
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D]
+    v_ref,  # [S, L, Hkv, D]
+    do_ref,  # [T, Hq, D]
+    lse_ref,  # [T, Hq] fp32
+    delta_ref,  # [T, Hq] fp32
+    dk_in_ref,  # [S, L, Hkv, D] zeros, aliased to dk_ref
+    dv_in_ref,  # [S, L, Hkv, D] zeros, aliased to dv_ref
+    dk_ref,  # [S, L, Hkv, D]
+    dv_ref,  # [S, L, Hkv, D]
+    *,
+    group: int,
+    head_dim: int,
+    block_q: int,
+    block_k: int,
+    compute_dtype,
+):
+    del dk_in_ref, dv_in_ref  # the same buffers as dk_ref, dv_ref: lines not written stay 0
+    h, b, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bg, bd = next_power_of_2(group), block_dim(head_dim, MIN_DOT_DIM)
+    rows = block_q * bg
+    head0 = h * group
+    d_live = jnp.arange(bd) < head_dim
+    slot, kv_len = seq_slot_ref[b], seq_kv_len_ref[b]
+    start = j * block_k
+
+    @pl.when((slot >= 0) & (start < kv_len))
+    def _():
+        qk_scale, sm_scale = scale_ref[0], scale_ref[1]
+        left, right = band_ref[0], band_ref[1]
+        seq_start, seq_end, offset = seq_start_ref[b], seq_end_ref[b], seq_offset_ref[b]
+        keys = start + jnp.arange(block_k)
+        load = functools.partial(
+            _load_kv,
+            slot=slot,
+            start=start,
+            h=h,
+            block_k=block_k,
+            head_dim=head_dim,
+            kv_len=kv_len,
+            masked=True,
+        )
+        k, v = load(k_ref).astype(compute_dtype), load(v_ref).astype(compute_dtype)
+        # Query rows whose band meets keys [start, start + block_k): positions
+        # start - right <= pos <= start + block_k - 2 + left.
+        row_lo = jnp.clip(start - right - offset, seq_start, seq_end)
+        row_hi = jnp.clip(start + block_k - 1 + left - offset, row_lo, seq_end)
+
+        def q_block(i, carry):
+            dk, dv = carry
+            row0 = row_lo + i * block_q
+            row_live = row0 + jnp.arange(block_q) < row_hi
+            q, do, lse, delta = _bwd_tile_loads(
+                q_ref,
+                do_ref,
+                lse_ref,
+                delta_ref,
+                row0,
+                row_live,
+                head0=head0,
+                bg=bg,
+                bd=bd,
+                group=group,
+                head_dim=head_dim,
+                block_q=block_q,
+                compute_dtype=compute_dtype,
+            )
+            pos = row0 + offset + jnp.arange(rows) // bg
+            live = jnp.repeat(row_live, bg)  # [rows], query-major like the tile
+            visible = live[:, None] & (keys[None, :] < kv_len)
+            visible &= keys[None, :] <= pos[:, None] + right
+            visible &= keys[None, :] > pos[:, None] - left
+            p, ds = _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale)
+            dv = dv + dot(p.astype(compute_dtype), do, trans_a=True)
+            dk = dk + dot(ds.astype(compute_dtype), q, trans_a=True)
+            return dk, dv
+
+        zeros = jnp.zeros((block_k, bd), jnp.float32)
+        num_q_blocks = jax.lax.div(row_hi - row_lo + block_q - 1, block_q)
+        dk, dv = jax.lax.fori_loop(0, num_q_blocks, q_block, (zeros, zeros))
+        mask = (keys < kv_len)[:, None] & d_live[None, :]
+        where = (slot, pl.ds(start, block_k), h, pl.ds(static_index(0), bd))
+        plgpu.store(dk_ref.at[where], (dk * sm_scale).astype(dk_ref.dtype), mask=mask)
+        plgpu.store(dv_ref.at[where], dv.astype(dv_ref.dtype), mask=mask)
+
+
+def _grad_block_sizes(block_sizes: BlockSizes, group: int) -> BlockSizes:
+    """The prefill tiles, with Q tiles of at least 16 rows (Triton's smallest dot)."""
+    block_q = max(block_sizes.block_q, MIN_DOT_DIM // next_power_of_2(group))
+    return dataclasses.replace(block_sizes, block_q=block_q)
+
+
+def attention_backward(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    causal: bool | jax.Array,
+    sm_scale: float | jax.Array,
+    sliding_window: int | jax.Array | None,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pallas backward kernels of :func:`prefill_attention` (``out`` and ``lse`` from its
+    ``with_lse`` call, ``block_sizes`` from :func:`_grad_block_sizes`): ``dout[T, Hq, D]``
+    -> ``(dq[T, Hq, D], dk_cache[S, L, Hkv, D], dv_cache[S, L, Hkv, D])``. Cache lines the
+    forward did not read (other slots, positions at or past ``kv_len``) get 0."""
+    s = _AttentionShapes.of(q, k_cache, query_start_loc)
+    b = block_sizes
+    with pallas_dtypes():
+        max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
+        prog_seq, prog_row = prefill_table(
+            query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
+        )
+        starts = query_start_loc[:-1]
+        q_len = query_start_loc[1:] - starts
+        seq_start = jnp.clip(starts, 0, s.num_tokens).astype(jnp.int32)
+        seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
+        seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
+        seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
+        seq_slot = checked_slots(slot_ids, s.num_slots)
+        band = band_operand(causal, sliding_window)
+        prog_seq, prog_row = prefill_schedule(
+            prog_seq,
+            prog_row,
+            seq_end=seq_end,
+            seq_offset=seq_offset,
+            seq_kv_len=seq_kv_len,
+            seq_slot=seq_slot,
+            band=band,
+            block_q=b.block_q,
+            block_k=b.block_k,
+        )
+        scales = jnp.concatenate(
+            [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
+        )
+        dout = dout.astype(q.dtype)
+        # delta = rowsum(dO ∘ O) (FlashAttention-2, Algorithm 2, line 4), fp32.
+        delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        static = dict(
+            group=s.group,
+            head_dim=s.head_dim,
+            block_q=b.block_q,
+            block_k=b.block_k,
+            compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
+        )
+        params = compiler_params(num_warps=b.num_warps, num_stages=b.num_stages)
+        suffix = f"bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}"
+        dq = pl.pallas_call(
+            functools.partial(_dq_kernel, **static),
+            grid=(s.num_kv_heads, max_q_blocks),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name=f"attention_bwd_dq_{suffix}",
+        )(
+            prog_seq,
+            prog_row,
+            seq_end,
+            seq_offset,
+            seq_kv_len,
+            seq_slot,
+            scales,
+            band,
+            q,
+            k_cache,
+            v_cache,
+            dout,
+            lse,
+            delta,
+        )
+        dkv_args = (
+            seq_start,
+            seq_end,
+            seq_offset,
+            seq_kv_len,
+            seq_slot,
+            scales,
+            band,
+            q,
+            k_cache,
+            v_cache,
+            dout,
+            lse,
+            delta,
+        )
+        dk, dv = pl.pallas_call(
+            functools.partial(_dkv_kernel, **static),
+            grid=(s.num_kv_heads, s.num_seqs, pl.cdiv(s.cache_len, b.block_k)),
+            out_shape=(
+                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+            ),
+            input_output_aliases={len(dkv_args): 0, len(dkv_args) + 1: 1},
+            compiler_params=params,
+            interpret=interpret,
+            name=f"attention_bwd_dkv_{suffix}",
+        )(*dkv_args, jnp.zeros_like(k_cache), jnp.zeros_like(v_cache))
+    return dq, dk, dv
+
+
+@functools.cache
+def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, primal_config=None):
+    """The attention kernels with their Pallas backward kernels, for one config.
+
+    Outside differentiation the forward is ``primal(q, k_cache, v_cache, **operands,
+    block_sizes=primal_config)`` (default: the kernel :func:`_prefill_or_decode` picks);
+    under differentiation it is the query-block kernel with ``lse`` (any layout), whose
+    residuals the backward kernels need."""
+
+    @jax.custom_vjp
+    def attention(q, k_cache, v_cache, batch, mask):
+        if primal is not None:
+            return primal(q, k_cache, v_cache, **batch, **mask, block_sizes=primal_config)
+        return _prefill_or_decode(
+            q, k_cache, v_cache, **batch, **mask, block_sizes=block_sizes, interpret=interpret
+        )
+
+    def forward(q, k_cache, v_cache, batch, mask):
+        group = q.shape[1] // k_cache.shape[2]
+        with pallas_dtypes():
+            out, lse = prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                **batch,
+                **mask,
+                block_sizes=_grad_block_sizes(block_sizes, group),
+                interpret=interpret,
+                with_lse=True,
+            )
+        return out, (q, k_cache, v_cache, out, lse, batch, mask)
+
+    def backward_rule(residuals, dout):
+        q, k_cache, v_cache, out, lse, batch, mask = residuals
+        group = q.shape[1] // k_cache.shape[2]
+        grads = attention_backward(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse,
+            dout,
+            **batch,
+            **mask,
+            block_sizes=_grad_block_sizes(block_sizes, group),
+            interpret=interpret,
+        )
+        # The batch layout and the mask operands are not differentiated.
+        return (*grads, None, None)
+
+    attention.defvjp(forward, backward_rule)
+    return attention
+
+
+def differentiable_attention(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    query_start_loc,
+    kv_lens,
+    slot_ids,
+    causal,
+    sm_scale,
+    sliding_window,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+    primal=None,
+    primal_config=None,
+) -> jax.Array:
+    """Attention differentiable through this module's Pallas backward kernels
+    (:func:`attention_backward`); ``primal``/``primal_config``: another backend's forward
+    kernel and its config, run when not differentiating (the Mosaic backend's use)."""
+    batch = dict(query_start_loc=query_start_loc, kv_lens=kv_lens, slot_ids=slot_ids)
+    mask = dict(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window)
+    attention = _differentiable(block_sizes, interpret, primal, primal_config)
+    return attention(q, k_cache, v_cache, batch, mask)
 
 
 # ------------------------------------------------------------------------------- 2. decode
@@ -709,7 +1199,7 @@ def masked_tail_attention(
     recompile.
     """
     return jit_attention(
-        _prefill_or_decode,
+        differentiable_attention,
         q,
         k_cache,
         v_cache,

@@ -19,6 +19,17 @@ Decode (``causal_conv1d_update``): one program per (row, channel block) keeps th
 column window in registers, advances it over the row's ``L`` tokens and writes it back
 in place (the cache is aliased input → output).
 
+Prefill backward (``jax.custom_vjp`` of ``causal_conv1d``): the same (channel block,
+token block) programs walk their rows once more, one row per step, recomputing each
+pre-activation ``a_t`` from the sliding window and ``da_t = dy_t · act'(a_t)``. Since
+``dx_s = Σ_k w_k · da_{s+K-1-k}`` needs the ``K-1`` later rows, a program runs ``K-1``
+rows past its block (to the sequence's end), keeps the last ``K-1`` ``da`` in registers
+and writes ``dx_{t-(K-1)}`` at row ``t``. ``dweight`` and ``dbias`` are per-program
+partial sums over the block's own rows (each row in exactly one block), summed over
+programs in ``jnp``; a sequence's history columns (the cached state) enter ``dweight``
+but are not differentiated. The cotangent of the new conv state flows to the inputs it
+copied (the sequence's last ``K-1`` tokens).
+
 x is read once from memory, y written once; fp32 accumulation. At 4 channels per thread
 the prefill kernel is bound by issue slots as much as by bytes (Nsight Compute on an H200:
 95 registers, 20 warps per SM, issue slots 88 % busy with libdevice's ``expf`` and an IEEE
@@ -38,6 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import LOG2E, checked_slots
 from pallas_kernels._pallas import block_dim, compiler_params, for_each_tail_block, static_index
+from pallas_kernels.backend import pallas_dtypes
 from pallas_kernels.metadata import sequence_block_table
 
 # Programs per channel block that zero the bucket rows past the sequences.
@@ -257,7 +269,7 @@ def _prefill_kernel(
         )
 
 
-def causal_conv1d(
+def _prefill(
     x: jax.Array,
     weight: jax.Array,
     bias: jax.Array | None,
@@ -268,9 +280,8 @@ def causal_conv1d(
     has_initial_state: jax.Array,
     activation: str | None,
     config: BlockSizes,
-    interpret: bool = False,
+    interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """See :func:`pallas_kernels.causal_conv1d`; arguments are already validated."""
     num_tokens, dim = x.shape
     width = weight.shape[1]
     num_seqs = slot_ids.shape[0]
@@ -312,6 +323,283 @@ def causal_conv1d(
         interpret=interpret,
         name=f"causal_conv1d_k{width}_bt{block_t}_ut{unroll_t}_bd{block_d}",
     )(*args)
+
+
+def _activation_grad(a: jax.Array, activation: str | None) -> jax.Array:
+    """``act'(a)``: ``s (1 + a (1 - s))`` with ``s = sigmoid(a)`` for SiLU, else 1."""
+    if activation != "silu":
+        return jnp.ones_like(a)
+    s = 1.0 / (1.0 + jnp.exp2(a * -LOG2E))
+    return s * (1.0 + a * (1.0 - s))
+
+
+def _prefill_backward_kernel(
+    block_seq_ref,  # [num_blocks] int32: sequence of each token block, -1 past the table
+    block_row_ref,  # [num_blocks] int32: packed row where the block starts
+    qsl_ref,  # [B + 1] int32
+    slot_ref,  # [B] int32
+    has_state_ref,  # [B] int32 (0/1)
+    x_ref,  # [T, dim]
+    w_ref,  # [dim, K]
+    bias_ref,  # [dim] or None
+    cache_ref,  # [S, K-1, dim]: the conv state the forward read
+    dy_ref,  # [T, dim]
+    dstate_ref,  # [S, K-1, dim]: cotangent of the new conv state cache
+    dx_ref,  # [T, dim]
+    dw_ref,  # [num_blocks + tail programs, K, dim] fp32: this program's partial dweight
+    db_ref,  # [num_blocks + tail programs, dim] fp32: this program's partial dbias
+    *,
+    width: int,
+    block_t: int,
+    block_d: int,
+    activation: str | None,
+):
+    dblk, i = pl.program_id(0), pl.program_id(1)
+    num_blocks = block_seq_ref.shape[0]
+    num_tokens, dim = dx_ref.shape
+    d0 = dblk * block_d
+    cols = pl.ds(d0, block_d)
+    d_live = d0 + jnp.arange(block_d) < dim
+    zeros = jnp.zeros((block_d,), jnp.float32)
+
+    def row_of(ref, row, live):
+        row = jnp.clip(row, 0, num_tokens - 1)
+        return plgpu.load(ref.at[row, cols], mask=d_live & live, other=0.0).astype(jnp.float32)
+
+    def store_partials(dw, db):
+        for k in range(width):
+            plgpu.store(dw_ref.at[i, static_index(k), cols], dw[k], mask=d_live)
+        plgpu.store(db_ref.at[i, cols], db, mask=d_live)
+
+    def zero_rows(row0, end):
+        rows = row0 + jnp.arange(block_t)
+        plgpu.store(
+            dx_ref.at[pl.ds(row0, block_t), cols],
+            jnp.zeros((block_t, block_d), dx_ref.dtype),
+            mask=(rows < end)[:, None] & d_live[None, :],
+        )
+
+    def block_grads(row0, block_end, seq_start, seq_end, slot, first, b):
+        use_state = first & (has_state_ref[b] != 0)
+        history = [
+            plgpu.load(
+                cache_ref.at[slot, static_index(j), cols], mask=d_live & use_state, other=0.0
+            ).astype(jnp.float32)
+            for j in range(width - 1)
+        ]
+        window = [
+            row_of(x_ref, row0 - (width - 1) + j, ~first) + history[j] for j in range(width - 1)
+        ]
+        weights = [
+            plgpu.load(w_ref.at[cols, static_index(k)], mask=d_live, other=0.0).astype(jnp.float32)
+            for k in range(width)
+        ]
+        bias = zeros
+        if bias_ref is not None:
+            bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
+        # Rows of the new conv state: [seq_end - (K-1), seq_end) (only those at or after
+        # seq_start; earlier state columns came from the old state, not differentiated).
+        state_row0 = seq_end - (width - 1)
+
+        def step(n, carry):
+            window, das, dw, db = carry  # inputs t-(K-1)..t-1; da_{t-(K-1)}..da_{t-1}
+            t = row0 + n
+            in_seq = t < seq_end
+            taps = [*window, row_of(x_ref, t, in_seq)]
+            a = bias
+            for tap, w in zip(taps, weights, strict=True):
+                a = a + tap * w
+            da = row_of(dy_ref, t, in_seq) * _activation_grad(a, activation)
+            da = jnp.where(in_seq, da, 0.0)
+            # Rows of this block (not the halo) add to dweight and dbias.
+            own = jnp.where(t < block_end, da, 0.0)
+            dw = [acc + own * tap for acc, tap in zip(dw, taps, strict=True)]
+            db = db + own
+            # dx of row s = t - (K-1): the K taps that read it, da_{s+K-1-k} = da_{t-k}.
+            all_da = [*das, da]
+            s = t - (width - 1)
+            dx = zeros
+            for k in range(width):
+                dx = dx + weights[k] * all_da[width - 1 - k]
+            j = s - state_row0
+            from_state = (j >= 0) & (s >= row0)
+            dx = dx + plgpu.load(
+                dstate_ref.at[slot, jnp.clip(j, 0, width - 2), cols],
+                mask=d_live & from_state,
+                other=0.0,
+            ).astype(jnp.float32)
+            plgpu.store(
+                dx_ref.at[jnp.clip(s, 0, num_tokens - 1), cols],
+                dx.astype(dx_ref.dtype),
+                mask=d_live & (s >= row0),
+            )
+            return taps[1:], all_da[1:], dw, db
+
+        carry = (window, [zeros] * (width - 1), [zeros] * width, zeros)
+        _, _, dw, db = jax.lax.fori_loop(0, block_end - row0 + width - 1, step, carry)
+        store_partials(dw, db)
+
+    @pl.when(i < num_blocks)
+    def _block():
+        b = block_seq_ref[i]
+        row0 = block_row_ref[i]
+        live = b >= 0
+        bb = jnp.maximum(b, 0)
+        slot = jnp.where(live, slot_ref[bb], -1)
+        seq_start, seq_end = qsl_ref[bb], qsl_ref[bb + 1]
+        first = row0 == seq_start
+        block_end = jnp.minimum(row0 + block_t, seq_end)
+
+        @pl.when(live & (slot < 0))
+        def _():
+            zero_rows(row0, block_end)
+
+        @pl.when(slot < 0)
+        def _():
+            store_partials([zeros] * width, zeros)
+
+        @pl.when(slot >= 0)
+        def _():
+            block_grads(row0, block_end, seq_start, seq_end, slot, first, bb)
+
+    @pl.when(i >= num_blocks)
+    def _tail():
+        store_partials([zeros] * width, zeros)
+        for_each_tail_block(
+            lambda row0: zero_rows(row0, num_tokens),
+            total=qsl_ref[qsl_ref.shape[0] - 1],
+            num_rows=num_tokens,
+            block=block_t,
+            program=i - num_blocks,
+            num_programs=_TAIL_PROGRAMS,
+        )
+
+
+def prefill_backward(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    dy: jax.Array,
+    dstate: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    conv_state_cache: jax.Array,
+    slot_ids: jax.Array,
+    has_initial_state: jax.Array,
+    activation: str | None,
+    config: BlockSizes,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Pallas backward kernel of :func:`causal_conv1d`: cotangents ``dy[T, dim]`` of y and
+    ``dstate[S, K-1, dim]`` of the new conv state cache -> ``(dx[T, dim], dweight[dim, K],
+    dbias[dim] or None)``, each in its input's dtype. The conv state read is not
+    differentiated; rows of padding sequences and past ``query_start_loc[-1]`` get 0."""
+    num_tokens, dim = x.shape
+    width = weight.shape[1]
+    num_seqs = slot_ids.shape[0]
+    block_t, block_d = config.block_t, config.block_d
+    num_blocks = pl.cdiv(num_tokens, block_t) + num_seqs
+    num_programs = num_blocks + _TAIL_PROGRAMS
+    with pallas_dtypes():
+        block_seq, block_row = sequence_block_table(
+            query_start_loc, block_size=block_t, num_blocks=num_blocks
+        )
+        dx, dw, db = pl.pallas_call(
+            functools.partial(
+                _prefill_backward_kernel,
+                width=width,
+                block_t=block_t,
+                block_d=block_d,
+                activation=activation,
+            ),
+            grid=(pl.cdiv(dim, block_d), num_programs),
+            out_shape=(
+                jax.ShapeDtypeStruct(x.shape, x.dtype),
+                jax.ShapeDtypeStruct((num_programs, width, dim), jnp.float32),
+                jax.ShapeDtypeStruct((num_programs, dim), jnp.float32),
+            ),
+            compiler_params=compiler_params(num_warps=config.num_warps, num_stages=1),
+            interpret=interpret,
+            name=f"causal_conv1d_bwd_k{width}_bt{block_t}_bd{block_d}",
+        )(
+            block_seq,
+            block_row,
+            query_start_loc,
+            checked_slots(slot_ids, conv_state_cache.shape[0]),
+            has_initial_state.astype(jnp.int32),
+            x,
+            weight,
+            bias,
+            conv_state_cache,
+            dy.astype(x.dtype),
+            dstate.astype(jnp.float32),
+        )
+        dweight = jnp.sum(dw, axis=0).T.astype(weight.dtype)
+        dbias = None if bias is None else jnp.sum(db, axis=0).astype(bias.dtype)
+    return dx, dweight, dbias
+
+
+@functools.cache
+def _differentiable(activation: str | None, config: BlockSizes, interpret: bool):
+    """The prefill kernel with its Pallas backward kernel, for one set of static options."""
+    options = dict(activation=activation, config=config, interpret=interpret)
+
+    @jax.custom_vjp
+    def conv(x, weight, bias, query_start_loc, conv_state_cache, slot_ids, has_initial_state):
+        return _prefill(
+            x,
+            weight,
+            bias,
+            query_start_loc=query_start_loc,
+            conv_state_cache=conv_state_cache,
+            slot_ids=slot_ids,
+            has_initial_state=has_initial_state,
+            **options,
+        )
+
+    def forward(*args):
+        return conv(*args), args
+
+    def backward_rule(residuals, cotangents):
+        x, weight, bias, qsl, cache, slot_ids, has_initial_state = residuals
+        dy, dstate = cotangents
+        dx, dweight, dbias = prefill_backward(
+            x,
+            weight,
+            bias,
+            dy,
+            dstate,
+            query_start_loc=qsl,
+            conv_state_cache=cache,
+            slot_ids=slot_ids,
+            has_initial_state=has_initial_state,
+            **options,
+        )
+        # The conv state and the integer arguments are not differentiated.
+        return dx, dweight, dbias, None, None, None, None
+
+    conv.defvjp(forward, backward_rule)
+    return conv
+
+
+def causal_conv1d(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    *,
+    query_start_loc: jax.Array,
+    conv_state_cache: jax.Array,
+    slot_ids: jax.Array,
+    has_initial_state: jax.Array,
+    activation: str | None,
+    config: BlockSizes,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.causal_conv1d`; arguments are already validated.
+    Differentiable in x, weight and bias through :func:`prefill_backward`."""
+    return _differentiable(activation, config, interpret)(
+        x, weight, bias, query_start_loc, conv_state_cache, slot_ids, has_initial_state
+    )
 
 
 # ------------------------------------------------------------------------------ decode
