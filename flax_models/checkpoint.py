@@ -16,13 +16,16 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from safetensors.numpy import load_file
 
 from flax_models.config import HybridConfig
 from flax_models.model import HybridLM
+from flax_models.sharding import check_tp, param_spec, tp_layout, tp_size
 
 # 1) Family prefixes: HF name prefix → module path prefix. First match wins.
 _LAYER = r"^(?:backbone|model)\.layers\.(\d+)\."
@@ -183,9 +186,17 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
 
 
 def load_hf_checkpoint(
-    directory: str | Path, *, dtype: jnp.dtype = jnp.float32, implementation: str = "auto"
+    directory: str | Path,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    implementation: str = "auto",
+    mesh: Mesh | None = None,
 ) -> HybridLM:
     """Builds a ``HybridLM`` from a Hugging Face directory (config.json + safetensors).
+
+    With ``mesh`` (an axis ``"tp"``), each tensor goes from the host straight into its
+    shards (``jax.device_put`` with its ``NamedSharding``, in the tp-major layout of
+    ``flax_models.sharding``), as ``HybridLM(..., mesh=mesh)`` places them.
 
     Weights are cast to ``dtype`` except ``A_log``, ``D`` and ``dt_bias`` (fp32 always).
     Raises ``ValueError`` naming every missing, unexpected or mis-shaped tensor (with
@@ -193,6 +204,8 @@ def load_hf_checkpoint(
     """
     directory = Path(directory)
     cfg = HybridConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    if mesh is not None:
+        check_tp(cfg, tp_size(mesh))
     abstract = nnx.eval_shape(
         lambda: HybridLM(cfg, dtype=dtype, implementation=implementation, rngs=nnx.Rngs(0))
     )
@@ -224,8 +237,28 @@ def load_hf_checkpoint(
             f"checkpoint {directory} does not match {cfg.family} "
             f"({len(errors)} problems):\n  " + "\n  ".join(errors)
         )
-    flat = [
-        (path, var.replace(jnp.asarray(filled[".".join(map(str, path))], var.dtype)))
-        for path, var in nnx.to_flat_state(state)
-    ]
+    if mesh is None:
+        flat = [
+            (path, var.replace(jnp.asarray(filled[".".join(map(str, path))], var.dtype)))
+            for path, var in nnx.to_flat_state(state)
+        ]
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(
+            lambda: HybridLM(
+                cfg,
+                dtype=dtype,
+                implementation=implementation,
+                rngs=nnx.Rngs(0),
+                mesh=mesh,
+                _unplaced=True,
+            )
+        )
+    )
+    tp, flat = tp_size(mesh), []
+    for path, var in nnx.to_flat_state(state):
+        names = tuple(map(str, path))
+        value = tp_layout(names, filled[".".join(names)].astype(var.dtype), cfg, tp)
+        sharding = NamedSharding(mesh, param_spec(names, value.ndim))
+        flat.append((path, var.replace(jax.device_put(value, sharding))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

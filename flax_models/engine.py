@@ -150,7 +150,10 @@ class Engine:
             vocab_size=self.cfg.vocab_size,
         )
         self._cache_dtype = model.dtype
-        self.caches = init_cache(self.cfg, num_slots=max_slots, max_len=max_len, dtype=model.dtype)
+        self._mesh = model.mesh  # a sharded model serves on its mesh, caches split alike
+        self.caches = init_cache(
+            self.cfg, num_slots=max_slots, max_len=max_len, dtype=model.dtype, mesh=self._mesh
+        )
         self._graphdef, self._params = nnx.split(model)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.compile_count = 0
@@ -241,6 +244,7 @@ class Engine:
                 num_slots=self.builder.num_slots,
                 max_len=self.builder.max_len,
                 dtype=self._cache_dtype,
+                mesh=self._mesh,
             )
 
     def _count(self, arrays: StepArrays, seconds: float) -> None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch, make_forward_batch
@@ -27,6 +28,7 @@ from flax_models.config import HybridConfig
 from flax_models.layers import MLP, Attention, Mamba2Mixer, ParallelHybridMixer, RMSNorm
 from flax_models.layers.linear import linear_kwargs
 from flax_models.layers.moe import MoE
+from flax_models.sharding import check_tp, state_shardings, tp_layout, tp_size
 from pallas_kernels.backend import BACKEND_NAMES, IMPLEMENTATIONS
 
 # A model-level implementation names a backend family: "the best it has for each op". Mosaic
@@ -63,25 +65,23 @@ class Block(nnx.Module):
         dtype: jnp.dtype,
         implementation: str | tuple[str, ...],
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         self.kind = kind
         self.residual_multiplier = cfg.residual_multiplier
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        mixers = {"M": Mamba2Mixer, "*": Attention, "P": ParallelHybridMixer}
+        mixers = {"M": Mamba2Mixer, "*": Attention, "P": ParallelHybridMixer, "E": MoE}
+        options = dict(dtype=dtype, implementation=implementation, rngs=rngs, mesh=mesh)
         if kind == "-":
             self.mixer = MLP(cfg, dtype=dtype, rngs=rngs)
-        elif kind == "E":
-            self.mixer = MoE(cfg, dtype=dtype, implementation=implementation, rngs=rngs)
         else:
-            self.mixer = mixers[kind](cfg, dtype=dtype, implementation=implementation, rngs=rngs)
+            self.mixer = mixers[kind](cfg, **options)
         has_mlp = cfg.mlp_per_layer and kind not in "-E"
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype) if has_mlp else None
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs) if has_mlp else None
         # Granite MoE: routed experts beside the per-layer MLP (its shared expert), same input.
         has_moe = has_mlp and cfg.moe_per_layer
-        self.moe = (
-            MoE(cfg, dtype=dtype, implementation=implementation, rngs=rngs) if has_moe else None
-        )
+        self.moe = MoE(cfg, **options) if has_moe else None
 
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: LayerCache
@@ -108,6 +108,10 @@ class HybridLM(nnx.Module):
         (Mosaic kernels where an op has them, Triton elsewhere), or a sequence of backend
         names; see :func:`layer_implementation`.
       rngs: parameter initialisation.
+      mesh: a ``jax.sharding.Mesh`` with an axis ``"tp"``: the parameters are created
+        straight into their shards over it (Mamba2 heads, attention heads, MLP and expert
+        widths; ``flax_models.sharding``) and the forward runs tensor-parallel with the
+        single-device results. ``ValueError`` naming the field that tp does not divide.
     """
 
     def __init__(
@@ -117,8 +121,20 @@ class HybridLM(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         implementation: str | Sequence[str] = "auto",
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+        _unplaced: bool = False,
     ):
+        if mesh is not None and not _unplaced:
+            # Built inside one jitted program whose outputs are the parameters' shards:
+            # no device ever holds the whole model.
+            check_tp(cfg, tp_size(mesh))
+            model = _create_sharded(cfg, dtype, implementation, rngs, mesh)
+            for name, value in vars(model).items():
+                if not name.startswith("_"):
+                    setattr(self, name, value)
+            return
         self.cfg = cfg
+        self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
         layer_impl = layer_implementation(implementation)
         self.implementation = implementation if isinstance(implementation, str) else layer_impl
@@ -127,7 +143,7 @@ class HybridLM(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                Block(cfg, kind, dtype=dtype, implementation=layer_impl, rngs=rngs)
+                Block(cfg, kind, dtype=dtype, implementation=layer_impl, rngs=rngs, mesh=mesh)
                 for kind in cfg.layer_pattern
             ]
         )
@@ -195,6 +211,15 @@ class HybridLM(nnx.Module):
                 raise ValueError(
                     f"input_ids must lie in [0, vocab_size={vocab}), got ids from {low} to {high}"
                 )
+        if self.mesh is not None and not isinstance(input_ids, jax.core.Tracer):
+            # One program: op-by-op dispatch would run every op of every shard_map body
+            # as its own program.
+            return _dense_jit(self, input_ids)
+        return self._dense(input_ids)
+
+    def _dense(self, input_ids: jax.Array) -> jax.Array:
+        """``__call__`` on checked, non-empty ids."""
+        num_seqs, length = input_ids.shape
         batch = make_forward_batch(
             jnp.arange(num_seqs + 1, dtype=jnp.int32) * length,
             jnp.zeros((num_seqs,), jnp.int32),
@@ -202,6 +227,41 @@ class HybridLM(nnx.Module):
             num_tokens=num_seqs * length,
             chunk_size=self.cfg.mamba_chunk_size,
         )
-        caches = init_cache(self.cfg, num_slots=num_seqs, max_len=length, dtype=self.dtype)
+        caches = init_cache(
+            self.cfg, num_slots=num_seqs, max_len=length, dtype=self.dtype, mesh=self.mesh
+        )
         logits, _ = self.forward(input_ids.reshape(-1), batch, caches)
         return logits.reshape(num_seqs, length, -1)
+
+
+def _create_sharded(
+    cfg: HybridConfig,
+    dtype: jnp.dtype,
+    implementation: str | Sequence[str],
+    rngs: nnx.Rngs,
+    mesh: Mesh,
+) -> HybridLM:
+    """``HybridLM(cfg, mesh=mesh)`` initialised in one jitted program: the single-device
+    initial values (same draws), moved to the tp-major layouts, constrained to their
+    shardings, so each device computes only its shards."""
+    tp = tp_size(mesh)
+
+    @nnx.jit
+    def create(rngs: nnx.Rngs) -> HybridLM:
+        model = HybridLM(
+            cfg, dtype=dtype, implementation=implementation, rngs=rngs, mesh=mesh, _unplaced=True
+        )
+        graphdef, state = nnx.split(model)
+        state = nnx.from_flat_state(
+            [
+                (path, var.replace(tp_layout(tuple(map(str, path)), var[...], cfg, tp)))
+                for path, var in nnx.to_flat_state(state)
+            ]
+        )
+        state = jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
+        return nnx.merge(graphdef, state)
+
+    return create(rngs)
+
+
+_dense_jit = nnx.jit(HybridLM._dense)

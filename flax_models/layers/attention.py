@@ -5,12 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import AttentionCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
+from flax_models.sharding import ATTENTION_CACHE_SPEC as CACHE_SPEC
+from flax_models.sharding import TP, shard_call
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
@@ -31,6 +35,10 @@ class Attention(nnx.Module):
     Falcon-H1's µP multipliers scale the input (``attention_in_multiplier``), the output
     (``attention_out_multiplier``) and the keys (``key_multiplier``, folded into
     ``cfg.scale``); all are 1 in the other families.
+
+    With a ``mesh`` the query heads are split over ``"tp"`` (KV heads too, or copied when
+    fewer than tp): attention runs on each device's heads under ``shard_map`` and
+    ``o_proj`` sums the partial products over tp.
     """
 
     def __init__(
@@ -40,9 +48,12 @@ class Attention(nnx.Module):
         dtype: jnp.dtype,
         implementation: str | tuple[str, ...],
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         self.cfg = cfg
+        self.dtype = dtype
         self.implementation = implementation
+        self.mesh = mesh
         linear = linear_kwargs(use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         D = cfg.head_dim
         self.q_proj = nnx.Linear(cfg.hidden_size, cfg.num_heads * D, **linear)
@@ -53,6 +64,28 @@ class Attention(nnx.Module):
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: AttentionCache
     ) -> tuple[jax.Array, AttentionCache]:
+        cfg = self.cfg
+        if self.mesh is None:
+            out, cache = self._attend(h, batch, cache)
+            return scaled(self.o_proj(out), cfg.attention_out_multiplier), cache
+
+        def body(local, h, batch, cache):
+            out, cache = local._attend(h, batch, cache)
+            kernel = local.o_proj.kernel[...]
+            part = jnp.dot(out.astype(kernel.dtype), kernel, precision=local.o_proj.precision)
+            return jax.lax.psum(part, TP), cache
+
+        out, cache = shard_call(
+            self, body, (h, batch, cache), (P(), P(), CACHE_SPEC), (P(), CACHE_SPEC)
+        )
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias[...]
+        return scaled(out.astype(h.dtype), cfg.attention_out_multiplier), cache
+
+    def _attend(
+        self, h: jax.Array, batch: ForwardBatch, cache: AttentionCache
+    ) -> tuple[jax.Array, AttentionCache]:
+        """Everything before o_proj: the attention output [T, num_heads · head_dim]."""
         cfg, impl = self.cfg, self.implementation
         T, D = h.shape[0], cfg.head_dim
         h = scaled(h, cfg.attention_in_multiplier)
@@ -83,5 +116,4 @@ class Attention(nnx.Module):
             sm_scale=cfg.scale,
             implementation=impl,
         )
-        out = scaled(self.o_proj(out.reshape(T, cfg.num_heads * D)), cfg.attention_out_multiplier)
-        return out, AttentionCache(k=k_cache, v=v_cache)
+        return out.reshape(T, cfg.num_heads * D), AttentionCache(k=k_cache, v=v_cache)

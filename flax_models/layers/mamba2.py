@@ -6,12 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
+from flax_models.sharding import MAMBA_CACHE_SPEC as CACHE_SPEC
+from flax_models.sharding import TP, shard_call, tp_size
+from pallas_kernels._common import silu
 
 
 class Mamba2Mixer(nnx.Module):
@@ -30,9 +35,15 @@ class Mamba2Mixer(nnx.Module):
         dtype: jnp.dtype,
         implementation: str | tuple[str, ...],
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         self.cfg = cfg
+        self.dtype = dtype
         self.implementation = implementation
+        self.mesh = mesh
+        # Devices sharing one norm group (tp > mamba_groups): the norm's sum of squares is
+        # all-reduced over them. Set on the per-device copy by ``__call__``.
+        self.norm_devices = 1
         H, K = cfg.mamba_num_heads, cfg.mamba_conv_kernel
         linear = linear_kwargs(use_bias=cfg.mamba_proj_bias, dtype=dtype, rngs=rngs)
         self.in_proj = nnx.Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear)
@@ -58,6 +69,31 @@ class Mamba2Mixer(nnx.Module):
         self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
     ) -> tuple[jax.Array, MambaCache]:
         cfg = self.cfg
+        if self.mesh is None:
+            y, cache = self._mix(h, batch, cache)
+            return scaled(self.out_proj(y), cfg.mamba_out_multiplier), cache
+        tp = tp_size(self.mesh)
+        norm_devices = tp // cfg.mamba_groups if tp > cfg.mamba_groups else 1
+
+        def body(local, h, batch, cache):
+            local.norm_devices = norm_devices
+            y, cache = local._mix(h, batch, cache)
+            kernel = local.out_proj.kernel[...]
+            part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
+            return jax.lax.psum(part, TP), cache
+
+        out, cache = shard_call(
+            self, body, (h, batch, cache), (P(), P(), CACHE_SPEC), (P(), CACHE_SPEC)
+        )
+        if self.out_proj.bias is not None:
+            out = out + self.out_proj.bias[...]
+        return scaled(out.astype(h.dtype), cfg.mamba_out_multiplier), cache
+
+    def _mix(
+        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
+    ) -> tuple[jax.Array, MambaCache]:
+        """Steps 1-4: everything before the output projection; y[T, d_inner]."""
+        cfg = self.cfg
         d_inner, conv_dim = cfg.mamba_d_inner, cfg.mamba_conv_dim
         num_decode = batch.num_decode
 
@@ -82,8 +118,10 @@ class Mamba2Mixer(nnx.Module):
             ys.append(y)
         y = jnp.concatenate(ys) if len(ys) > 1 else ys[0]
 
-        # 4) Gated grouped RMSNorm (groups of d_inner / G), then the output projection.
-        if self.norm_weight is not None:
+        # 4) Gated grouped RMSNorm (groups of d_inner / G); the output projection follows.
+        if self.norm_weight is not None and self.norm_devices > 1:
+            y = self._shared_group_norm(y, z)
+        elif self.norm_weight is not None:
             y = pk.gated_rms_norm(
                 y,
                 z,
@@ -93,7 +131,25 @@ class Mamba2Mixer(nnx.Module):
                 norm_before_gate=cfg.mamba_norm_before_gate,
                 implementation=self.implementation,
             )
-        return scaled(self.out_proj(y), cfg.mamba_out_multiplier), cache
+        return y, cache
+
+    def _shared_group_norm(self, y: jax.Array, z: jax.Array) -> jax.Array:
+        """The gated RMSNorm of one device's share of a norm group that spans
+        ``norm_devices`` devices (under ``shard_map``): the sums of squares of the devices
+        of each group are all-gathered and added, in fp32 as ``pk.gated_rms_norm``."""
+        cfg, span = self.cfg, self.norm_devices
+        f32 = jnp.float32
+        u, gate = y.astype(f32), silu(z.astype(f32))
+        if not cfg.mamba_norm_before_gate:
+            u = u * gate
+        squares = jax.lax.all_gather(jnp.sum(u * u, axis=-1), TP)  # [tp, T]
+        squares = squares.reshape(-1, span, u.shape[0]).sum(axis=1)  # [groups, T]
+        group_sum = squares[jax.lax.axis_index(TP) // span]
+        inv_rms = jax.lax.rsqrt(group_sum / (u.shape[-1] * span) + cfg.norm_eps)
+        out = u * inv_rms[:, None] * self.norm_weight[...].astype(f32)
+        if cfg.mamba_norm_before_gate:
+            out = out * gate
+        return out.astype(y.dtype)
 
     def _scale_segments(self, zxbcdt: jax.Array) -> jax.Array:
         """Falcon-H1's µP vector: in_proj's z | x | B | C | dt segments times

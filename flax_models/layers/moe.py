@@ -36,10 +36,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from flax_models.config import HybridConfig
 from flax_models.layers.mlp import MLP
+from flax_models.sharding import TP, shard_call
 
 Router = Callable[[jax.Array, jax.Array | None, HybridConfig], tuple[jax.Array, jax.Array]]
 
@@ -132,9 +135,12 @@ class MoE(nnx.Module):
         dtype: jnp.dtype,
         implementation: str | tuple[str, ...],
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         self.cfg = cfg
+        self.dtype = dtype
         self.implementation = implementation
+        self.mesh = mesh
         self.route = ROUTERS[cfg.moe_router]
         self.activation, up_factor = _EXPERT_ACTIVATIONS[cfg.moe_activation]
         E, K, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -164,6 +170,22 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x[T, K] → [T, K]
+        if self.mesh is None:
+            out = self._routed(x)
+        else:  # expert widths split over tp: every device routes, sums its partial outputs
+            out = shard_call(
+                self,
+                lambda local, x: jax.lax.psum(local._routed(x), TP),
+                (x,),
+                (P(),),
+                P(),
+            )
+        if self.shared_expert is not None:  # an MLP: column/row parallel through XLA
+            out = out + self.shared_expert(x)
+        return out
+
+    def _routed(self, x: jax.Array) -> jax.Array:
+        """The routed experts' weighted sum [T, K] (no shared expert)."""
         cfg, impl = self.cfg, self.implementation
         T, k = x.shape[0], cfg.num_experts_per_tok
         # 1) Route: weights[T, k] (fp32) and expert ids[T, k].
@@ -184,7 +206,4 @@ class MoE(nnx.Module):
         # 4) Unsort (row i goes back to flat position order[i]) and combine in fp32.
         unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         y = y[unsort].reshape(T, k, -1).astype(jnp.float32)
-        out = jnp.sum(y * weights[:, :, None], axis=1).astype(x.dtype)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
-        return out
+        return jnp.sum(y * weights[:, :, None], axis=1).astype(x.dtype)

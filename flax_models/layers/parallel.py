@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from flax_models.batch import ForwardBatch
 from flax_models.cache import ParallelCache
@@ -36,10 +37,12 @@ class ParallelHybridMixer(nnx.Module):
         dtype: jnp.dtype,
         implementation: str | tuple[str, ...],
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
     ):
         self.implementation = implementation
-        self.mamba = Mamba2Mixer(cfg, dtype=dtype, implementation=implementation, rngs=rngs)
-        self.attention = Attention(cfg, dtype=dtype, implementation=implementation, rngs=rngs)
+        options = dict(dtype=dtype, implementation=implementation, rngs=rngs, mesh=mesh)
+        self.mamba = Mamba2Mixer(cfg, **options)
+        self.attention = Attention(cfg, **options)
 
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: ParallelCache

@@ -17,7 +17,6 @@ conversations with the chat template first::
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
@@ -77,8 +76,8 @@ class LLM:
         ``generation_config.json`` and ``tokenizer_config.json`` (eos ids, chat template).
       dtype: the weights' dtype (``A_log``, ``D``, ``dt_bias`` stay fp32).
       implementation: the kernels (``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"``).
-      mesh: a ``jax.sharding.Mesh`` to shard the model over, where ``load_hf_checkpoint``
-        takes one (``NotImplementedError`` otherwise).
+      mesh: a ``jax.sharding.Mesh`` with an axis ``"tp"`` to shard the model and its caches
+        over (tensor parallelism, ``flax_models.sharding``).
       **engine_options: ``Engine``'s (``max_slots``, ``max_len``, ``token_budget``, ...).
 
     Attributes:
@@ -104,13 +103,10 @@ class LLM:
                 f"{tokenizer_path} not found: LLM needs a Hugging Face tokenizer.json beside "
                 "the checkpoint (for token ids, use Engine)"
             )
-        load_options: dict[str, Any] = dict(dtype=dtype, implementation=implementation)
-        if mesh is not None:
-            if "mesh" not in inspect.signature(load_hf_checkpoint).parameters:
-                raise NotImplementedError("load_hf_checkpoint does not take a mesh yet")
-            load_options["mesh"] = mesh
         self.directory = directory
-        self.model = load_hf_checkpoint(directory, **load_options)
+        self.model = load_hf_checkpoint(
+            directory, dtype=dtype, implementation=implementation, mesh=mesh
+        )
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         tokenizer_config = _read_json(directory / "tokenizer_config.json")
         self._special_tokens = chat_lib.special_tokens(tokenizer_config)

@@ -290,7 +290,7 @@ def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path):
     shutil.copy(TEXT / "config.json", tmp_path)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         LLM(tmp_path)
-    with pytest.raises(NotImplementedError, match="mesh"):
+    with pytest.raises(ValueError, match="mesh"):
         LLM(TEXT, mesh=object())
 
 

@@ -1,0 +1,259 @@
+"""Tensor parallelism over a mesh axis named ``"tp"`` (Megatron-style, as vLLM does it).
+
+Every mixer splits its heads (or widths) over the ``tp`` devices; the residual stream stays
+replicated. Column-parallel projections (in_proj, q/k/v, gate/up, expert up) keep each
+device's output columns local, row-parallel ones (out_proj, o_proj, down, expert down) sum
+their partial products with one all-reduce::
+
+    device d:  h ─ in_proj[:, cols_d] ─ conv, SSD, norm on heads d ─ out_proj[rows_d, :] ─┐
+                                                                              psum over tp ┘
+
+Parameters whose columns mix several segments are stored in a *tp-major* layout, so that a
+contiguous split over tp gives each device exactly its own segments:
+
+- Mamba2 ``in_proj`` (z | x | B | C | dt) and the conv (x | B | C): device d's block is
+  ``z_d | x_d | B_d | C_d | dt_d``. B and C groups are split when tp divides
+  ``mamba_groups``; otherwise (tp a multiple of it, e.g. one group) each device holds a copy
+  of the one group its heads read, as vLLM does. The gated RMSNorm is per group: local when
+  groups are split, else its sum of squares is all-reduced over the devices sharing the group.
+- Attention ``k_proj``/``v_proj``: KV heads split when tp divides ``num_kv_heads``, else each
+  device holds a copy of the KV head its query heads use.
+- Gated experts' fused ``gate | up``: device d's block is ``gate_d | up_d``.
+
+``tp_layout`` maps a parameter from the single-device layout (the checkpoints') to this one;
+the model's init and ``load_hf_checkpoint`` both go through it, so a sharded model has the
+single-device model's values. The Pallas ops cannot be partitioned by XLA: each mixer runs
+its body under ``jax.shard_map`` on per-device shapes (a copy of the module with the local
+config, ``local_config``); the plain matmuls of the MLPs are left to XLA's partitioner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flax_models.cache import AttentionCache, LayerCache, MambaCache, ParallelCache
+from flax_models.config import HybridConfig
+
+TP = "tp"  # the mesh axis the heads are split over
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    """Devices along ``"tp"`` (1 without a mesh); ValueError when the mesh has no such axis."""
+    if mesh is None:
+        return 1
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if TP not in mesh.axis_names:
+        raise ValueError(f"the mesh needs an axis named {TP!r}; it has {mesh.axis_names}")
+    return mesh.shape[TP]
+
+
+def _local_copies(total: int, tp: int) -> int:
+    """Per device: total / tp when tp divides it, else 1 (a copy of the one it needs)."""
+    return total // tp if total % tp == 0 else 1
+
+
+def check_tp(cfg: HybridConfig, tp: int) -> None:
+    """ValueError naming the first field of ``cfg`` that cannot be split over ``tp``."""
+
+    def divides(field: str, *, or_multiple: bool = False) -> None:
+        value = getattr(cfg, field)
+        if value % tp and not (or_multiple and tp % value == 0):
+            extra = " (or be a divisor of it)" if or_multiple else ""
+            raise ValueError(f"{field}={value} must be divisible by tp={tp}{extra}")
+
+    pattern = set(cfg.layer_pattern)
+    if pattern & set("MP"):
+        divides("mamba_num_heads")
+        divides("mamba_groups", or_multiple=True)
+    if pattern & set("*P"):
+        divides("num_heads")
+        divides("num_kv_heads", or_multiple=True)
+    if "-" in pattern or cfg.mlp_per_layer:
+        divides("intermediate_size")
+    if "E" in pattern or cfg.moe_per_layer:
+        divides("moe_intermediate_size")
+        if cfg.shared_expert_intermediate_size:
+            divides("shared_expert_intermediate_size")
+
+
+def local_config(cfg: HybridConfig, tp: int) -> HybridConfig:
+    """The configuration one device runs: its share of heads, groups and widths."""
+    if tp == 1:
+        return cfg
+    fields = dict(
+        mamba_num_heads=cfg.mamba_num_heads // tp,
+        mamba_groups=_local_copies(cfg.mamba_groups, tp),
+        num_heads=cfg.num_heads // tp,
+        num_kv_heads=_local_copies(cfg.num_kv_heads, tp),
+        intermediate_size=cfg.intermediate_size // tp,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp,
+    )
+    if not set("MP") & set(cfg.layer_pattern):
+        fields.update(mamba_num_heads=cfg.mamba_num_heads, mamba_groups=cfg.mamba_groups)
+    if not set("*P") & set(cfg.layer_pattern):
+        fields.update(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+    return dataclasses.replace(cfg, **fields)
+
+
+# ------------------------------------------------------------------------ layouts
+
+
+def _segments(segments: list[tuple[int, int]], tp: int) -> np.ndarray:
+    """Column order of a tp-major layout. Each segment is ``(units, unit_size)``: ``units``
+    heads or groups of ``unit_size`` columns, one segment after another in the single-device
+    layout. Device d takes units ``d·units/tp ..`` of a segment tp divides, else a copy of
+    the one unit ``d // (tp / units)`` its heads read. Example, z and x of 4 heads of one
+    column and B of 1 group of 2 columns, tp = 2: single layout ``z0 z1 z2 z3 x0 x1 x2 x3 b0
+    b1`` (columns 0-9) → ``[0 1 4 5 8 9 | 2 3 6 7 8 9]``."""
+    order = []
+    for d in range(tp):
+        start = 0
+        for units, size in segments:
+            if units % tp == 0:
+                local, first = units // tp, d * (units // tp)
+            else:  # tp is a multiple of units: one copied unit per device
+                local, first = 1, d // (tp // units)
+            order.append(start + np.arange(first * size, (first + local) * size))
+            start += units * size
+    return np.concatenate(order)
+
+
+@functools.cache
+def _order(cfg: HybridConfig, tp: int, name: str) -> np.ndarray:
+    """The tp-major column order of one fused parameter kind (built only when used)."""
+    H, P_, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_groups, cfg.mamba_state_size
+    conv = [(H, P_), (G, N), (G, N)]  # x | B | C
+    inner = cfg.moe_intermediate_size
+    segments = {
+        "in_proj": [(H, P_), *conv, (H, 1)],  # z | x | B | C | dt
+        "conv": conv,
+        "kv": [(cfg.num_kv_heads, cfg.head_dim)],
+        "gate_up": [(tp, inner // tp), (tp, inner // tp)],  # gate | up
+    }[name]
+    return _segments(segments, tp)
+
+
+def _layout_rule(path: tuple[str, ...], cfg: HybridConfig) -> tuple[str, int] | None:
+    """(order name, axis) for a parameter stored in a tp-major layout, else None."""
+    name = path[-1]
+    owner = path[-2] if len(path) > 1 else ""
+    if owner == "in_proj":
+        return "in_proj", -1
+    if name in ("conv_weight", "conv_bias"):
+        return "conv", 0
+    if owner in ("k_proj", "v_proj"):
+        return "kv", -1
+    if name == "experts_up" and cfg.moe_activation == "silu":
+        return "gate_up", -1
+    return None
+
+
+def tp_layout(path: tuple[str, ...], value, cfg: HybridConfig, tp: int):
+    """``value`` (NumPy or JAX) of the parameter at module ``path`` in the single-device
+    layout → the tp-major layout (a gather along one axis; unchanged for most parameters)."""
+    rule = _layout_rule(path, cfg) if tp > 1 else None
+    if rule is None:
+        return value
+    order, axis = rule
+    xp = np if isinstance(value, np.ndarray) else jax.numpy
+    return xp.take(value, _order(cfg, tp, order), axis=axis)
+
+
+# ------------------------------------------------------------------------ specs
+
+_COLUMN = ("in_proj", "q_proj", "k_proj", "v_proj", "gate", "up")  # output split
+_ROW = ("out_proj", "o_proj", "down")  # input split, output all-reduced
+_HEADS = ("conv_weight", "conv_bias", "A_log", "D", "dt_bias", "norm_weight")
+
+
+def param_spec(path: tuple[str, ...], ndim: int) -> P:
+    """The ``PartitionSpec`` of the parameter at module ``path`` (replicated when no rule)."""
+    name = path[-1]
+    owner = path[-2] if len(path) > 1 else ""
+    if owner in _COLUMN:
+        return P(None, TP) if name == "kernel" else P(TP)
+    if owner in _ROW:
+        return P(TP, None) if name == "kernel" else P()
+    if name in _HEADS:
+        return P(TP, *([None] * (ndim - 1)))
+    if name == "experts_up":
+        return P(None, None, TP)
+    if name == "experts_down":
+        return P(None, TP, None)
+    return P()  # embeddings, norms, head, routers
+
+
+# Caches are split as the mixers' heads: conv channels (tp-major x | B | C), SSM heads, KV
+# heads (copies of one KV head per device when tp > num_kv_heads).
+MAMBA_CACHE_SPEC = MambaCache(conv_state=P(None, None, TP), ssm_state=P(None, TP))
+ATTENTION_CACHE_SPEC = AttentionCache(k=P(None, None, TP), v=P(None, None, TP))
+
+
+def cache_specs(cfg: HybridConfig) -> tuple[LayerCache, ...]:
+    """The ``PartitionSpec`` of every cache array, in ``init_cache``'s tree."""
+    specs = {
+        "M": MAMBA_CACHE_SPEC,
+        "*": ATTENTION_CACHE_SPEC,
+        "P": ParallelCache(mamba=MAMBA_CACHE_SPEC, attention=ATTENTION_CACHE_SPEC),
+    }
+    return tuple(specs.get(kind) for kind in cfg.layer_pattern)
+
+
+def state_shardings(state, mesh: Mesh):
+    """A ``NamedSharding`` per variable of an ``nnx.State`` (same tree)."""
+    flat = [
+        (path, var.replace(NamedSharding(mesh, param_spec(tuple(map(str, path)), var.ndim))))
+        for path, var in nnx.to_flat_state(state)
+    ]
+    return nnx.from_flat_state(flat)
+
+
+# ------------------------------------------------------------------------ shard_map
+
+
+@functools.cache
+def _local_graphdef(cls, cfg: HybridConfig, dtype, implementation):
+    """The graph of ``cls`` built for one device's share (``local_config``), no mesh."""
+    abstract = nnx.eval_shape(
+        lambda: cls(cfg, dtype=dtype, implementation=implementation, rngs=nnx.Rngs(0))
+    )
+    return nnx.graphdef(abstract)
+
+
+def shard_call(module, body, args, in_specs, out_specs):
+    """Runs ``body(local_module, *args)`` under ``jax.shard_map`` over ``module.mesh``:
+    ``local_module`` is a copy of ``module`` with the local config (``local_config``) and
+    this device's shards of its parameters (split as ``param_spec`` says); ``args`` are
+    split as ``in_specs`` says and the outputs assembled as ``out_specs`` says."""
+    mesh = module.mesh
+    tp = tp_size(mesh)
+    flat = list(nnx.to_flat_state(nnx.state(module)))
+    paths = [tuple(map(str, path)) for path, _ in flat]
+    values = [var[...] for _, var in flat]
+    specs = [param_spec(path, value.ndim) for path, value in zip(paths, values, strict=True)]
+    graphdef = _local_graphdef(
+        type(module), local_config(module.cfg, tp), module.dtype, module.implementation
+    )
+
+    def run(values, *args):
+        state = nnx.from_flat_state(
+            [(path, var.replace(v)) for (path, var), v in zip(flat, values, strict=True)]
+        )
+        return body(nnx.merge(graphdef, state), *args)
+
+    return jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(specs, *in_specs),
+        out_specs=out_specs,
+        check_vma=False,
+    )(values, *args)
