@@ -402,6 +402,54 @@ def _prefill_kernel(
             store(row0, row_live, out.reshape(block_q, bg, bd), lse.reshape(block_q, bg))
 
 
+@dataclasses.dataclass(frozen=True)
+class _PrefillPlan:
+    """The query-block kernels' schedule and per-sequence operands (the forward and both
+    backward kernels walk the same table): ``prog_seq, prog_row[max_q_blocks]`` from
+    ``prefill_table`` ordered by ``prefill_schedule``, and per sequence ``[B]`` int32 its
+    last row, position offset, clipped ``kv_len`` and checked slot; ``band`` the visible
+    band operand."""
+
+    max_q_blocks: int
+    prog_seq: jax.Array
+    prog_row: jax.Array
+    seq_end: jax.Array
+    seq_offset: jax.Array
+    seq_kv_len: jax.Array
+    seq_slot: jax.Array
+    band: jax.Array
+
+    @classmethod
+    def of(
+        cls, s, b: BlockSizes, query_start_loc, kv_lens, slot_ids, *, causal, sliding_window
+    ) -> _PrefillPlan:
+        max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
+        prog_seq, prog_row = prefill_table(
+            query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
+        )
+        starts = query_start_loc[:-1]
+        q_len = query_start_loc[1:] - starts
+        seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
+        seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
+        seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
+        seq_slot = checked_slots(slot_ids, s.num_slots)
+        band = band_operand(causal, sliding_window)
+        prog_seq, prog_row = prefill_schedule(
+            prog_seq,
+            prog_row,
+            seq_end=seq_end,
+            seq_offset=seq_offset,
+            seq_kv_len=seq_kv_len,
+            seq_slot=seq_slot,
+            band=band,
+            block_q=b.block_q,
+            block_k=b.block_k,
+        )
+        return cls(
+            max_q_blocks, prog_seq, prog_row, seq_end, seq_offset, seq_kv_len, seq_slot, band
+        )
+
+
 def prefill_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -429,27 +477,8 @@ def prefill_attention(
             f"block_q={b.block_q} times the padded GQA group {s.block_group} must be >= "
             f"{MIN_DOT_DIM} (the smallest Triton dot dimension)"
         )
-    max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
-    prog_seq, prog_row = prefill_table(
-        query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
-    )
-    starts = query_start_loc[:-1]
-    q_len = query_start_loc[1:] - starts
-    seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
-    seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
-    seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
-    seq_slot = checked_slots(slot_ids, s.num_slots)
-    band = band_operand(causal, sliding_window)
-    prog_seq, prog_row = prefill_schedule(
-        prog_seq,
-        prog_row,
-        seq_end=seq_end,
-        seq_offset=seq_offset,
-        seq_kv_len=seq_kv_len,
-        seq_slot=seq_slot,
-        band=band,
-        block_q=b.block_q,
-        block_k=b.block_k,
+    plan = _PrefillPlan.of(
+        s, b, query_start_loc, kv_lens, slot_ids, causal=causal, sliding_window=sliding_window
     )
     return pl.pallas_call(
         functools.partial(
@@ -460,7 +489,7 @@ def prefill_attention(
             block_k=b.block_k,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         ),
-        grid=(s.num_kv_heads, max_q_blocks),
+        grid=(s.num_kv_heads, plan.max_q_blocks),
         out_shape=(
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -476,14 +505,14 @@ def prefill_attention(
             f"_g{s.group}_d{s.head_dim}"
         ),
     )(
-        prog_seq,
-        prog_row,
-        seq_end,
-        seq_offset,
-        seq_kv_len,
-        seq_slot,
+        plan.prog_seq,
+        plan.prog_row,
+        plan.seq_end,
+        plan.seq_offset,
+        plan.seq_kv_len,
+        plan.seq_slot,
         scale_operand(sm_scale),
-        band,
+        plan.band,
         q,
         k_cache,
         v_cache,
@@ -785,29 +814,10 @@ def attention_backward(
     s = _AttentionShapes.of(q, k_cache, query_start_loc)
     b = block_sizes
     with pallas_dtypes():
-        max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
-        prog_seq, prog_row = prefill_table(
-            query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
+        plan = _PrefillPlan.of(
+            s, b, query_start_loc, kv_lens, slot_ids, causal=causal, sliding_window=sliding_window
         )
-        starts = query_start_loc[:-1]
-        q_len = query_start_loc[1:] - starts
-        seq_start = jnp.clip(starts, 0, s.num_tokens).astype(jnp.int32)
-        seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
-        seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
-        seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
-        seq_slot = checked_slots(slot_ids, s.num_slots)
-        band = band_operand(causal, sliding_window)
-        prog_seq, prog_row = prefill_schedule(
-            prog_seq,
-            prog_row,
-            seq_end=seq_end,
-            seq_offset=seq_offset,
-            seq_kv_len=seq_kv_len,
-            seq_slot=seq_slot,
-            band=band,
-            block_q=b.block_q,
-            block_k=b.block_k,
-        )
+        seq_start = jnp.clip(query_start_loc[:-1], 0, s.num_tokens).astype(jnp.int32)
         scales = jnp.concatenate(
             [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
         )
@@ -825,20 +835,20 @@ def attention_backward(
         suffix = f"bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}"
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, **static),
-            grid=(s.num_kv_heads, max_q_blocks),
+            grid=(s.num_kv_heads, plan.max_q_blocks),
             out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
             compiler_params=params,
             interpret=interpret,
             name=f"attention_bwd_dq_{suffix}",
         )(
-            prog_seq,
-            prog_row,
-            seq_end,
-            seq_offset,
-            seq_kv_len,
-            seq_slot,
+            plan.prog_seq,
+            plan.prog_row,
+            plan.seq_end,
+            plan.seq_offset,
+            plan.seq_kv_len,
+            plan.seq_slot,
             scales,
-            band,
+            plan.band,
             q,
             k_cache,
             v_cache,
@@ -848,12 +858,12 @@ def attention_backward(
         )
         dkv_args = (
             seq_start,
-            seq_end,
-            seq_offset,
-            seq_kv_len,
-            seq_slot,
+            plan.seq_end,
+            plan.seq_offset,
+            plan.seq_kv_len,
+            plan.seq_slot,
             scales,
-            band,
+            plan.band,
             q,
             k_cache,
             v_cache,
