@@ -240,6 +240,18 @@ def _block_ranges(lo, hi, full_lo, full_hi, block_k):
     return lo_blk, mid_lo, mid_hi, hi_blk
 
 
+def _query_block_ranges(pos_first, pos_last, kv_len, left, right, block_k):
+    """:func:`_block_ranges` of a query block whose rows sit at positions
+    ``[pos_first, pos_last]`` and see keys ``pos - left < key <= pos + right`` below
+    ``kv_len``: keys visible to some row are ``[lo, hi)``, to every row
+    ``[full_lo, full_hi)``. The forward and the dq kernels walk the same blocks."""
+    hi = jnp.clip(pos_last + right + 1, 0, kv_len)
+    full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
+    lo = jnp.maximum(pos_first - left + 1, 0)
+    full_lo = jnp.maximum(pos_last - left + 1, 0)
+    return _block_ranges(lo, hi, full_lo, full_hi, block_k)
+
+
 def _kv_loop(kv_block, carry, lo_blk, mid_lo, mid_hi, hi_blk):
     """Masked window-edge blocks, unmasked interior, masked diagonal / kv_len boundary
     blocks (the first loop is empty without a sliding window)."""
@@ -357,12 +369,7 @@ def _prefill_kernel(
             pos_first = row0 + seq_offset_ref[seq]
             pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
             pos = pos_first + jnp.arange(rows) // bg  # [rows]
-            # Keys visible to some row: [lo, hi); to every row: [full_lo, full_hi).
-            hi = jnp.clip(pos_last + right + 1, 0, kv_len)
-            full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
-            lo = jnp.maximum(pos_first - left + 1, 0)
-            full_lo = jnp.maximum(pos_last - left + 1, 0)
-            bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
+            bounds = _query_block_ranges(pos_first, pos_last, kv_len, left, right, block_k)
 
             q = _load(
                 q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
@@ -644,11 +651,7 @@ def _dq_kernel(
             pos_first = row0 + seq_offset_ref[seq]
             pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
             pos = pos_first + jnp.arange(rows) // bg
-            hi = jnp.clip(pos_last + right + 1, 0, kv_len)
-            full_hi = jnp.clip(pos_first + right + 1, 0, kv_len)
-            lo = jnp.maximum(pos_first - left + 1, 0)
-            full_lo = jnp.maximum(pos_last - left + 1, 0)
-            bounds = _block_ranges(lo, hi, full_lo, full_hi, block_k)
+            bounds = _query_block_ranges(pos_first, pos_last, kv_len, left, right, block_k)
             q, do, lse, delta = _bwd_tile_loads(
                 q_ref,
                 do_ref,
