@@ -1,25 +1,38 @@
 """End-to-end serving benchmark: hybrid models of real shapes (random init, bf16).
 
-``python -m benchmarks.model [--out results.json] [--quick] [--models NAME ...]``. Models
-(``HybridConfig`` presets): ``bamba-9b`` (dense: hidden 4096, 32 layers, attention at 9, 18,
-27), ``nemotron3-nano-30b-a3b`` (MoE: hidden 2688, 52 layers of Mamba2, MoE and attention
-blocks, 128 experts top-6) and ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers, 72
-experts top-10 beside a shared MLP), one after the other. Rows, for ``xla`` and ``auto`` in
+``python -m benchmarks.model [--out results.json] [--quick] [--models NAME ...]
+[--mesh tp=N ...] [--implementations auto xla]``. Models (``HybridConfig`` presets):
+``bamba-9b`` (dense: hidden 4096, 32 layers, attention at 9, 18, 27),
+``nemotron3-nano-30b-a3b`` (MoE: hidden 2688, 52 layers of Mamba2, MoE and attention
+blocks, 128 experts top-6), ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers, 72
+experts top-10 beside a shared MLP) and ``nemotron-h-56b`` (dense, 118 layers, 112 GB: two
+GPUs; decode at 1 and 64 rows only), one after the other. Rows, for each implementation in
 one run on the same weights: prefill tokens/s on 8 × 4096 and on a ragged batch, decode
 step latency at 1, 64 and 256 rows with 4k tokens of context, and peak device memory.
 ``--quick`` runs a tiny dense and a tiny MoE model.
+
+``--mesh tp=1 tp=2`` runs every model once per mesh (the first N devices, one axis
+``"tp"``; ``flax_models.sharding``), the rows named ``model@tpN/case`` and, beside a tp=1
+row of the same case, ``speedup_vs_tp1``. The roofline of a tp=N row is the model's over N
+devices' measured ceilings (each device reads its shard of the weights and states).
 
 The roofline counts *active* parameters: FLOPs use the k of E routed experts each token
 runs; bytes the experts a step reads. For decode steps those are the experts their rows
 route to, measured on the rows' tokens (``routed_experts``: a random-init model routes far
 from uniformly, so uniform routing would overstate the bytes); prefill steps are
 compute-bound and take uniform routing's ``E (1 - (1 - 1/E)^(k tokens))``.
+
+The allocator may use 94% of each GPU (``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set):
+JAX's default 75% cannot hold Granite-4.0-H-Small's weights (65 GB) beside its 256-slot
+decode caches (56 GB).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,11 +49,20 @@ from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM
 
 
-def _with_implementation(model: HybridLM, implementation: str) -> HybridLM:
-    """The same weights under another implementation (a static attribute of the modules)."""
+def _with_implementation(
+    model: HybridLM, implementation: str, *, mesh: jax.sharding.Mesh | None = None
+) -> HybridLM:
+    """The same weights under another implementation (a static attribute of the modules),
+    and on ``mesh`` (the model's own by default; ``mesh=False``: its sharded weights under
+    the unsharded modules, which XLA partitions by itself)."""
+    mesh = model.mesh if mesh is None else mesh or None
     abstract = nnx.eval_shape(
         lambda: HybridLM(
-            model.cfg, dtype=model.dtype, implementation=implementation, rngs=nnx.Rngs(0)
+            model.cfg,
+            dtype=model.dtype,
+            implementation=implementation,
+            rngs=nnx.Rngs(0),
+            mesh=mesh,
         )
     )
     return nnx.merge(nnx.split(abstract)[0], nnx.state(model))
@@ -50,7 +72,11 @@ MODELS = {
     "bamba-9b": HybridConfig.bamba_9b,
     "nemotron3-nano-30b-a3b": HybridConfig.nemotron3_nano_30b_a3b,
     "granite-4.0-h-small": HybridConfig.granite_4_h_small,
+    "nemotron-h-56b": HybridConfig.nemotron_h_56b,
 }
+# Decode rows per model where not (1, 64, 256): the engine holds a state per row, and the
+# 56B model's 256 rows of 4k context would not fit beside its weights on two GPUs.
+DECODE_ROWS = {"nemotron-h-56b": (1, 64)}
 # Routed-expert weights in the parameter tree (layers/moe.py): [E, K, N] each.
 _EXPERT_PARAMS = ("experts_up", "experts_down")
 
@@ -72,8 +98,9 @@ def routed_experts(model: HybridLM, token_ids: np.ndarray) -> np.ndarray:
     """Expert ids ``[layers, B * L, k]`` that each MoE layer routes ``token_ids[B, L]`` to,
     run as fresh sequences (``[0, B * L, k]`` for a model without experts). A random-init
     model routes far from uniformly, so the experts a step reads are measured, not
-    assumed."""
-    graphdef, state = nnx.split(model)
+    assumed. A sharded model is probed through unsharded modules (its mixers' shard_map
+    would hide the ids)."""
+    graphdef, state = nnx.split(_with_implementation(model, "xla", mesh=False))
 
     @jax.jit
     def probe(state, ids):
@@ -135,21 +162,48 @@ def _cost(
 
 
 def _peak_bytes() -> int | None:
+    """The most memory device 0 has held (with a mesh every device holds its shards)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
+def _mesh(tp: int) -> jax.sharding.Mesh | None:
+    """The first ``tp`` devices on one axis ``"tp"`` (None for one device: the unsharded
+    model, not a one-device mesh)."""
+    if tp == 1:
+        return None
+    if tp > jax.device_count():
+        raise SystemExit(f"--mesh tp={tp}: only {jax.device_count()} devices")
+    return jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+
 def bench_model(
-    name: str, cfg: HybridConfig, dtype, args, ceilings: harness.Ceilings
+    name: str,
+    cfg: HybridConfig,
+    dtype,
+    args,
+    ceilings: harness.Ceilings,
+    *,
+    tp: int = 1,
+    implementations: Sequence[str] = ("auto", "xla"),
+    decode_rows: Sequence[int] = (1, 64, 256),
 ) -> list[dict]:
-    """Every case of one model, ``auto`` then ``xla``, on the same weights."""
+    """Every case of one model, for each implementation in turn (``auto`` first), on the
+    same weights, tensor-parallel over ``tp`` devices."""
     rng = np.random.default_rng(0)
+    mesh = _mesh(tp)
+    label = name if mesh is None else f"{name}@tp{tp}"
+    # N devices together: each reads its 1/N of the weights and states and runs 1/N of
+    # the FLOPs (the all-reduces are the step's own cost).
+    ceilings = dataclasses.replace(
+        ceilings, copy_gbps=ceilings.copy_gbps * tp, matmul_tflops=ceilings.matmul_tflops * tp
+    )
     if args.quick:
         dense, ragged, context, decode_rows = (2, 32), [5, 40, 17], 48, (1, 4)
     else:
         dense = (8, 4096)
         ragged = [int(n) for n in rng.integers(64, 8193, size=8)]
-        context, decode_rows = 4096, (1, 64, 256)
+        context = 4096
     budget = max(dense[0] * dense[1], sum(ragged))
     # Prefill and decode each get an engine sized for them (slots, cache length, buckets):
     # a prefill step over a 256-sequence bucket would spend its memory on 248 empty
@@ -197,12 +251,12 @@ def bench_model(
     # Experts a decode step reads: the rows' own routing (their tokens as fresh one-token
     # sequences; their context is not computed here either). Prefill steps route
     # thousands of tokens and are compute-bound: uniform routing's estimate serves there.
-    base = HybridLM(cfg, dtype=dtype, implementation="xla", rngs=nnx.Rngs(0))
+    base = HybridLM(cfg, dtype=dtype, implementation="xla", rngs=nnx.Rngs(0), mesh=mesh)
     touched = {}
     if cfg.num_experts:
         decode_cases = {c: d for c, (kind, d, _) in cases.items() if kind == "decode"}
         tokens = np.array([[r.tokens[0]] for d in decode_cases.values() for r in d])
-        ids = routed_experts(_with_implementation(base, "auto"), tokens)
+        ids = routed_experts(base, tokens)
         start = 0
         for case, requests in decode_cases.items():
             rows = ids[:, start : start + len(requests)]
@@ -216,12 +270,12 @@ def bench_model(
     rows: list[dict] = []
     # auto first: a baseline that cannot run (e.g. xla's ragged_dot out of memory on a MoE
     # prefill) must not leave the device fragmented for the rows that matter.
-    for impl in ("auto", "xla"):
+    for impl in implementations:
         model = _with_implementation(base, impl)
         for kind, engine_args in engines.items():
             engine = Engine(model, **engine_args)
             for case, (case_kind, decode, prefill) in cases.items():
-                problem = f"{name}/{case}"
+                problem = f"{label}/{case}"
                 if case_kind != kind or not harness.selected(problem, args.only):
                     continue
                 arrays = engine.builder.build(decode, prefill)
@@ -245,6 +299,7 @@ def bench_model(
                         op="model",
                         ceilings=ceilings,
                         model=name,
+                        tp=tp,
                         experts_touched=touched.get(case),
                         tokens=tokens,
                         tokens_per_s=tokens / (timing.median_ms * 1e-3),
@@ -257,17 +312,49 @@ def bench_model(
     return rows
 
 
+def _take_option(argv: list[str], name: str) -> tuple[list[str] | None, list[str]]:
+    """The values after ``name`` (up to the next ``--option``) and the other arguments."""
+    if name not in argv:
+        return None, argv
+    at = argv.index(name)
+    end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+    return argv[at + 1 : end], argv[:at] + argv[end:]
+
+
+def _add_tp_speedups(rows: list[dict]) -> None:
+    """``speedup_vs_tp1``: a tp=1 row's time over the time of the same case and
+    implementation at tp=N."""
+    base = {
+        (r["model"], r["problem"].split("/", 1)[1], r["implementation"]): r["median_ms"]
+        for r in rows
+        if r["tp"] == 1
+    }
+    for r in rows:
+        key = (r["model"], r["problem"].split("/", 1)[1], r["implementation"])
+        if r["tp"] > 1 and key in base:
+            r["speedup_vs_tp1"] = base[key] / r["median_ms"]
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
+    # Before the first device call: the allocator's share of each GPU (see the docstring).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     argv = list(sys.argv[1:] if argv is None else argv)
-    # ``--models`` is this module's own option; the rest are the harness's.
-    names = list(MODELS)
-    if "--models" in argv:
-        at = argv.index("--models")
-        end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
-        names, argv = argv[at + 1 : end], argv[:at] + argv[end:]
-        unknown = sorted(set(names) - set(MODELS))
-        if unknown or not names:
-            raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {names}")
+    # ``--models``, ``--mesh`` and ``--implementations`` are this module's own options;
+    # the rest are the harness's.
+    names, argv = _take_option(argv, "--models")
+    names = list(MODELS) if names is None else names
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown or not names:
+        raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {names}")
+    meshes, argv = _take_option(argv, "--mesh")
+    try:
+        tps = [1] if meshes is None else [int(m.removeprefix("tp=")) for m in meshes]
+    except ValueError:
+        raise SystemExit(f"--mesh: expected tp=N ..., got {meshes}") from None
+    if not tps or min(tps) < 1:
+        raise SystemExit(f"--mesh: expected tp=N with N >= 1, got {meshes}")
+    implementations, argv = _take_option(argv, "--implementations")
+    implementations = implementations or ["auto", "xla"]
     args = harness.parse_args(argv, "hybrid model serving benchmark")
     ceilings = harness.measure_ceilings(quick=args.quick)
     if args.quick:  # a tiny dense and a tiny MoE model (CPU smoke run)
@@ -278,16 +365,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         dtype = jnp.bfloat16
     rows: list[dict] = []
     for name, cfg in models.items():
-        rows += bench_model(name, cfg, dtype, args, ceilings)
-        jax.clear_caches()  # the next model's weights need the memory
-    harness.add_speedups(rows)
+        for tp in tps:
+            rows += bench_model(
+                name,
+                cfg,
+                dtype,
+                args,
+                ceilings,
+                tp=tp,
+                implementations=implementations,
+                decode_rows=DECODE_ROWS.get(name, (1, 64, 256)),
+            )
+            jax.clear_caches()  # the next model's weights need the memory
+            gc.collect()
+            harness.add_speedups(rows)
+            _add_tp_speedups(rows)
+            if args.out is not None:  # after each model: a later one may not finish
+                harness.report("hybrid model serving", rows, ceilings, args.out)
     print(f"\n## hybrid models ({dtype.__name__})")
-    print(f"{'case':<44}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'% roof':>8}{'vs xla':>8}")
+    print(
+        f"{'case':<48}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'% roof':>8}"
+        f"{'vs xla':>8}{'vs tp1':>8}"
+    )
     for r in rows:
         print(
-            f"{r['problem']:<44}{r['implementation']:<6}{r['median_ms']:>10.3f}"
+            f"{r['problem']:<48}{r['implementation']:<6}{r['median_ms']:>10.3f}"
             f"{r['tokens_per_s']:>12.0f}{r['roofline_fraction']:>8.1%}"
             f"{r.get('speedup_vs_xla', float('nan')):>7.2f}x"
+            f"{r.get('speedup_vs_tp1', float('nan')):>7.2f}x"
         )
     harness.report("hybrid model serving", rows, ceilings, args.out)
     return rows

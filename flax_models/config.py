@@ -299,6 +299,30 @@ class HybridConfig:
         return cls(**(fields | overrides))
 
     @classmethod
+    def nemotron_h_56b(cls, **overrides: Any) -> HybridConfig:
+        """Nemotron-H-56B's shape (random init, for benchmarks; 112 GB in bf16, two GPUs):
+        118 blocks: 54 Mamba2 (256 heads × 64, N = 256, G = 8, chunk 128), 54 relu² MLPs of
+        width 32768 and 10 attention blocks (64 query / 8 KV heads × 128, no RoPE)."""
+        fields = dict(
+            family="nemotron_h",
+            vocab_size=131072,
+            hidden_size=8192,
+            layer_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 9 + "M-M-M-M-M-",
+            mamba_num_heads=256,
+            mamba_head_dim=64,
+            mamba_state_size=256,
+            mamba_groups=8,
+            mamba_chunk_size=128,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=None,
+            intermediate_size=32768,
+            mlp_activation="relu2",
+        )
+        return cls(**(fields | overrides))
+
+    @classmethod
     def granite_4_h_small(cls, **overrides: Any) -> HybridConfig:
         """Granite-4.0-H-Small's shape (random init, for benchmarks): 40 blocks, attention
         at 5, 15, 25, 35 (32 query / 8 KV heads × 128, no RoPE), Mamba2 elsewhere (128 heads

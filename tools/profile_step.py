@@ -1,9 +1,10 @@
 """Where one serving step's device time goes, kernel by kernel (GPU).
 
-``PYTHONPATH=. python3 tools/profile_step.py [--pattern MMMM*] [--rows 256] [--context 4096]``
-``[--prompt 0] [--impl auto] [--top 25] [--trace-dir DIR]``
+``PYTHONPATH=. python3 tools/profile_step.py [--model bamba-9b] [--pattern MMMM*] [--rows 256]``
+``[--context 4096] [--prompt 0] [--impl auto] [--top 25] [--trace-dir DIR]``
 
-Builds a Bamba-9B-shaped model with the given layer pattern (random init, bf16; a few
+Builds a model of one of ``benchmarks.model``'s shapes (Bamba-9B by default) with the given
+layer pattern (random init, bf16; a few
 layers stand for the 32, each layer kind costing the same per layer), one engine step of
 ``rows`` sequences (decode rows with ``context`` cached tokens, or ``--prompt N`` new tokens
 per sequence), times it, then runs it under ``jax.profiler`` with a Perfetto trace and sums
@@ -24,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import harness
+from benchmarks.model import MODELS
 from flax_models.batching import Request
-from flax_models.config import HybridConfig
 from flax_models.engine import Engine
 from flax_models.model import HybridLM
 
@@ -53,7 +54,8 @@ def device_op_times(trace_dir: Path) -> tuple[collections.Counter, collections.C
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pattern", default="MMMM*")
+    parser.add_argument("--model", default="bamba-9b", choices=sorted(MODELS))
+    parser.add_argument("--pattern", default="MMMM*", help="layer kinds (M * - E P)")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=0, help="new tokens per sequence")
@@ -63,7 +65,7 @@ def main() -> None:
     parser.add_argument("--trace-dir", default="/tmp/profile_step")
     args = parser.parse_args()
 
-    cfg = HybridConfig.bamba_9b(layer_pattern=args.pattern)
+    cfg = MODELS[args.model](layer_pattern=args.pattern)
     model = HybridLM(cfg, dtype=jnp.bfloat16, implementation=args.impl, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     if args.prompt:
@@ -93,7 +95,10 @@ def main() -> None:
         arrays = engine.builder.build(decode, [])
     timing = harness.time_fn(lambda: engine.step(arrays), warmup=2, samples=10)
     kind = f"prefill {args.rows}x{args.prompt}" if args.prompt else f"decode {args.rows} rows"
-    print(f"{args.pattern} {args.impl} {kind}, context {args.context}: {timing.median_ms:.3f} ms")
+    print(
+        f"{args.model} {args.pattern} {args.impl} {kind}, context {args.context}: "
+        f"{timing.median_ms:.3f} ms"
+    )
 
     trace_dir = Path(args.trace_dir)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
