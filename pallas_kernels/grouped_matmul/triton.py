@@ -10,7 +10,11 @@ The grouped GEMM of MegaBlocks (arXiv 2211.15841, section 5) and vLLM's ``fused_
    their programs exit at once.
 2. One program per (row tile, ``block_n`` columns of N): it streams its rows of ``x`` and
    the tile's expert's ``w[e, :, cols]`` in ``block_k`` steps (masked loads: rows outside
-   the tile read 0, never the neighbouring expert's rows) and accumulates in fp32.
+   the tile read 0, never the neighbouring expert's rows) and accumulates in fp32. With
+   ``narrow_m``, a tile of at most ``narrow_m`` live rows runs a ``narrow_m``-row dot
+   instead: decode routing gives most experts a few rows and some many, and one tile size
+   cannot serve both (small tiles cut a busy expert into many programs that each stream
+   its weights; large ones spend a full tile of MMA on a handful of rows).
 
 Worked example, ``block_m = 4``, ``group_sizes = [6, 0, 3]``, ``M = 12``::
 
@@ -42,6 +46,8 @@ from pallas_kernels.backend import pallas_dtypes
 # Rows per expert from which a call is compute-bound (prefill): 128-row tiles keep the
 # tensor cores fed; below it a call streams weights and smaller row tiles waste less.
 _COMPUTE_BOUND_ROWS = 128
+# Row tiles of a weight-streaming call (see default_block_sizes).
+_WIDE_TILE_ROWS = 64
 
 
 def _is_power_of_2(n: int) -> bool:
@@ -57,15 +63,20 @@ class BlockSizes:
     block_k: int = 64  # contraction step of the K loop
     num_warps: int = 4  # warps per program
     num_stages: int = 3  # software-pipelining depth of the K loop
+    narrow_m: int | None = None  # rows of the dot of tiles with at most this many rows
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_m", "block_n", "block_k", "narrow_m"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not _is_power_of_2(value) or value < MIN_DOT_DIM:
                 raise ValueError(
                     f"{name}={value} must be a power of two >= {MIN_DOT_DIM} "
                     "(Triton's tensor-core dot)"
                 )
+        if self.narrow_m is not None and self.narrow_m >= self.block_m:
+            raise ValueError(f"narrow_m={self.narrow_m} must be below block_m={self.block_m}")
         if not _is_power_of_2(self.num_warps):
             raise ValueError(f"num_warps={self.num_warps} must be a power of two")
         if self.num_stages < 1:
@@ -95,9 +106,11 @@ def default_block_sizes(m: int, k: int, n: int, num_experts: int, dtype) -> Bloc
       128×256 or 128×128 output tiles with 64-deep K steps, 3-4 stages: the tile shapes of
       Triton's Hopper matmul tutorial (wgmma on 8 or 4 warps; 48 KiB or 32 KiB of shared
       memory per stage in bf16);
-    * weight-streaming (fewer rows, e.g. decode): one row tile per expert where possible
-      (the smallest power of two >= the mean rows, at least 16 for the dot), so each
-      expert's weights are read about once, in 128-deep K steps (wide loads) over 4 stages.
+    * weight-streaming (fewer rows, e.g. decode): 64-row tiles, so an expert that draws
+      many rows streams its weights once per 64 rows from few programs, with a narrow path
+      for the tiles of the experts that draw a few: the smallest power of two >= the mean
+      rows per expert (at least 16 for the dot). A call of at most that many rows, or
+      whose mean reaches 64, has one tile size. K in 128-deep steps (wide loads), 4 stages.
 
     fp32 inputs use half-depth K steps (twice the bytes per element).
     """
@@ -112,8 +125,11 @@ def default_block_sizes(m: int, k: int, n: int, num_experts: int, dtype) -> Bloc
             num_warps=8 if block_n == 256 else 4,
             num_stages=3 if block_n == 256 else 4,
         )
+    narrow = max(MIN_DOT_DIM, block_dim(rows))
+    wide = _WIDE_TILE_ROWS if m > narrow and narrow < _WIDE_TILE_ROWS else None
     return BlockSizes(
-        block_m=max(MIN_DOT_DIM, block_dim(rows)),
+        block_m=wide or narrow,
+        narrow_m=narrow if wide else None,
         block_n=_block_n(n, (128, 64)),
         block_k=_block_k(k, dtype, 128 if itemsize <= 2 else 64),
         num_warps=4,
@@ -192,6 +208,7 @@ def _tile_kernel(
     block_k: int,
     num_col_blocks: int,
     transpose_w: bool,
+    narrow_m: int | None,
 ):
     pid = pl.program_id(0)
     # Column blocks of one row tile are neighbours: they share the tile's rows of x and
@@ -201,34 +218,45 @@ def _tile_kernel(
     expert, row0, row_end = expert_ref[tile], start_ref[tile], end_ref[tile]
     num_experts = w_ref.shape[0]
     contract, out_cols = x_ref.shape[1], y_ref.shape[1]
-    row_live = jnp.arange(block_m) < row_end - row0
     col_live = _tail_mask(col0, block_n, out_cols)
-    out_mask = _both(row_live, col_live, (block_m, block_n))
-    rows, cols = pl.ds(row0, block_m), pl.ds(col0, block_n)
-    has_rows = row_end > row0
+    cols = pl.ds(col0, block_n)
+    live_rows = row_end - row0
 
-    @pl.when(has_rows & (expert < num_experts))
-    def _():
+    def matmul_rows(num: int) -> None:
+        """The tile's first ``num`` rows (those past ``row_end`` masked) times the expert."""
+        row_live = jnp.arange(num) < live_rows
+        rows = pl.ds(row0, num)
+
         def step(k, acc):
             k0 = pl.multiple_of(k * block_k, block_k)
             ks = pl.ds(k0, block_k)
             k_live = _tail_mask(k0, block_k, contract)
-            a = _load(x_ref.at[rows, ks], _both(row_live, k_live, (block_m, block_k)))
+            a = _load(x_ref.at[rows, ks], _both(row_live, k_live, (num, block_k)))
             if transpose_w:
                 b = _load(w_ref.at[expert, cols, ks], _both(col_live, k_live, (block_n, block_k)))
                 return acc + dot(a, b, trans_b=True)
             b = _load(w_ref.at[expert, ks, cols], _both(k_live, col_live, (block_k, block_n)))
             return acc + dot(a, b)
 
-        acc = jnp.zeros((block_m, block_n), jnp.float32)
+        acc = jnp.zeros((num, block_n), jnp.float32)
         acc = jax.lax.fori_loop(0, pl.cdiv(contract, block_k), step, acc)
+        out_mask = _both(row_live, col_live, (num, block_n))
         plgpu.store(y_ref.at[rows, cols], acc.astype(y_ref.dtype), mask=out_mask)
 
-    @pl.when(has_rows & (expert >= num_experts))
+    compute = (live_rows > 0) & (expert < num_experts)
+    if narrow_m is None:
+        pl.when(compute)(lambda: matmul_rows(block_m))
+    else:
+        pl.when(compute & (live_rows <= narrow_m))(lambda: matmul_rows(narrow_m))
+        pl.when(compute & (live_rows > narrow_m))(lambda: matmul_rows(block_m))
+
+    @pl.when((live_rows > 0) & (expert >= num_experts))
     def _():
         # Rows past sum(group_sizes): zeros, nothing read.
+        row_live = jnp.arange(block_m) < live_rows
         zeros = jnp.zeros((block_m, block_n), y_ref.dtype)
-        plgpu.store(y_ref.at[rows, cols], zeros, mask=out_mask)
+        out_mask = _both(row_live, col_live, (block_m, block_n))
+        plgpu.store(y_ref.at[pl.ds(row0, block_m), cols], zeros, mask=out_mask)
 
 
 def _tiled_matmul(
@@ -255,6 +283,7 @@ def _tiled_matmul(
             block_k=blocks.block_k,
             num_col_blocks=num_col_blocks,
             transpose_w=transpose_w,
+            narrow_m=blocks.narrow_m,
         ),
         grid=(schedule[0].shape[0] * num_col_blocks,),
         out_shape=jax.ShapeDtypeStruct((num_rows, out_cols), x.dtype),
@@ -263,6 +292,7 @@ def _tiled_matmul(
         name=(
             f"{name}_bm{blocks.block_m}_bn{blocks.block_n}_bk{blocks.block_k}"
             f"_w{blocks.num_warps}_s{blocks.num_stages}"
+            + ("" if blocks.narrow_m is None else f"_nm{blocks.narrow_m}")
         ),
     )(*schedule, x, w)
 

@@ -294,11 +294,43 @@ def test_triton_config_is_used(tiles):
         (dict(block_k=48), "block_k"),
         (dict(num_warps=3), "num_warps"),
         (dict(num_stages=0), "num_stages"),
+        (dict(block_m=16, narrow_m=16), "narrow_m"),
+        (dict(narrow_m=8), "narrow_m"),
     ],
 )
 def test_invalid_block_sizes(fields, match):
     with pytest.raises(ValueError, match=match):
         gm_triton.BlockSizes(**fields)
+
+
+def test_narrow_tiles():
+    """With ``narrow_m``, tiles of at most 16 live rows take the 16-row dot and fuller ones
+    the 32-row dot: both give the oracle's rows and gradients (groups of 3, 16 and 17 rows
+    sit on either side of the switch; a 40-row group spans a full and a partial tile)."""
+    c = Case("narrow", 90, (3, 0, 40, 16, 17, 7), K=24, N=40)
+    tiles = gm_triton.BlockSizes(block_m=32, narrow_m=16, block_n=16, block_k=16, num_warps=2)
+    x, w, group_sizes = make_inputs(np.random.default_rng(15), c, poison_tail=False)
+    run = functools.partial(api.grouped_matmul, implementation="triton", config=tiles)
+    y, vjp = jax.vjp(lambda x, w: run(x, w, group_sizes), x, w)
+    check_output(x, w, c.group_sizes, y)
+    dy = normal(np.random.default_rng(16), (c.num_rows, c.N), jnp.float32)
+    dx, dw = vjp(dy)
+    dx_ref, dw_ref = oracle_grads(x, w, c.group_sizes, dy)
+    assert_close(as_f32(dx), dx_ref, rtol=tolerance_for(jnp.float32), name="dx")
+    assert_close(as_f32(dw), dw_ref, rtol=tolerance_for(jnp.float32), name="dw")
+
+
+def test_decode_heuristic_has_a_narrow_path():
+    """Weight-streaming calls get 64-row tiles with a narrow path of the mean rows per
+    expert; a call no larger than one narrow tile, and prefill calls, get one tile size."""
+    decode = gm_triton.default_block_sizes(1536, 2688, 1856, 128, jnp.bfloat16)
+    assert (decode.block_m, decode.narrow_m) == (64, 16)
+    one_token = gm_triton.default_block_sizes(6, 2688, 1856, 128, jnp.bfloat16)
+    assert (one_token.block_m, one_token.narrow_m) == (16, None)
+    busy = gm_triton.default_block_sizes(2560, 768, 4096, 72, jnp.bfloat16)
+    assert (busy.block_m, busy.narrow_m) == (64, None)
+    prefill = gm_triton.default_block_sizes(81920, 4096, 1536, 72, jnp.bfloat16)
+    assert (prefill.block_m, prefill.narrow_m) == (128, None)
 
 
 def test_config_of_another_backend_is_refused():
@@ -396,7 +428,13 @@ def test_real_size(impl, tokens, top_k, K, N, E):
 
 @pytest.mark.parametrize(
     "M, K, N, E",
-    [(81920, 4096, 1536, 72), (49152, 1856, 2688, 128), (2560, 768, 4096, 72), (37, 40, 24, 4)],
+    [
+        (81920, 4096, 1536, 72),
+        (49152, 1856, 2688, 128),
+        (2560, 768, 4096, 72),
+        (1536, 2688, 1856, 128),  # decode: 64-row tiles with the 16-row narrow path
+        (37, 40, 24, 4),
+    ],
 )
 def test_triton_kernels_lower_for_cuda(M, K, N, E):
     """Forward and backward kernels lower for CUDA with the heuristic's tiles (interpret
