@@ -63,7 +63,9 @@ def ssd_scan(
         y_t   = C_t · s_t + D x_t,   then y_t *= silu(z_t) when z is given
 
     Head ``h`` uses group ``h // (H // G)``. Semantics of vLLM's chunk-aligned
-    ``mamba_chunk_scan_combined_varlen``.
+    ``mamba_chunk_scan_combined_varlen``. Differentiable (``jax.grad``, ``jax.vjp``) in x,
+    dt, A, B, C, D, z, dt_bias and initial_states with every implementation; the Triton
+    backend through its own Pallas backward kernels (``ssd/triton_backward.py``).
 
     Args:
       x: x[T, H, P] packed tokens (rows past ``query_start_loc[-1]`` give y = 0).

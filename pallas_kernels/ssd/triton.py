@@ -23,6 +23,12 @@ Chunks are read straight from the packed tokens with masked loads: a short chunk
 masked, never padded in memory. Padding chunks (past ``num_chunks``) exit at once. All
 accumulation is fp32; exponents of decay differences are clamped to <= 0. Offsets into
 arrays over 4 GiB are 64-bit (the Pallas Triton lowering switches on the array size).
+
+Gradients (``jax.custom_vjp``): outside differentiation the scan is the three launches
+above, unchanged. Under differentiation the state scan keeps the carried states in fp32
+and the chunk scan also writes y before the D skip and the gate; with dt', the cumulative
+decay and C·Bᵀ they are the residuals of the Pallas backward kernels in
+``ssd/triton_backward.py`` (chunk-granular: no per-token state is stored or recomputed).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pallas_kernels._pallas import (
     static_index,
 )
 from pallas_kernels.metadata import ChunkMetadata
+from pallas_kernels.ssd import triton_backward
 
 # Programs (per row block and head) that zero the bucket rows past the chunks.
 _TAIL_PROGRAMS = 2
@@ -254,10 +261,11 @@ def _chunk_scan_kernel(
     cb_ref,  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
     dt_ref,  # [H, max_chunks, bcs] fp32: dt'
     cum_ref,  # [H, max_chunks, bcs] fp32
-    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype
+    carried_ref,  # [max_chunks, H, bp, bn] in C's dtype (fp32 under differentiation)
     D_ref,  # [H, P] fp32 or None
     z_ref,  # [T, H, P] or None
     y_ref,  # [T, H, P]
+    y_ssm_ref,  # [T, H, P] fp32 or None: y before the D skip and the z gate (the backward's)
     *,
     heads_per_group: int,
     head_dim: int,
@@ -296,7 +304,8 @@ def _chunk_scan_kernel(
                 mask=live_i[:, None] & p_live[None, :],
                 other=0.0,
             )
-            carried = carried_ref[c, h, :, :]  # [bp, bn]
+            # fp32 under differentiation (the backward's residual), else already C's dtype.
+            carried = carried_ref[c, h, :, :].astype(C_i.dtype)  # [bp, bn]
             # Off-diagonal part: the state entering the chunk, decayed to each row.
             acc = dot(C_i, carried, trans_b=True) * jnp.exp(jnp.minimum(cum_i, 0.0))[:, None]
 
@@ -336,6 +345,12 @@ def _chunk_scan_kernel(
             # Rows at or after the block's first non-finite x (per column) see it: NaN there.
             first_bad = jnp.min(jnp.where(jnp.isfinite(x_i), length, rows_i[:, None]), axis=0)
             acc = jnp.where(rows_i[:, None] >= first_bad[None, :], jnp.nan, acc)
+            if y_ssm_ref is not None:
+                plgpu.store(
+                    y_ssm_ref.at[pl.ds(start + row0, block_m), h, pl.ds(static_index(0), bp)],
+                    acc.astype(y_ssm_ref.dtype),
+                    mask=live_i[:, None] & p_live[None, :],
+                )
             if D_ref is not None:
                 D = plgpu.load(D_ref.at[h, pl.ds(static_index(0), bp)], mask=p_live, other=0.0)
                 acc = acc + D[None, :] * x_i.astype(jnp.float32)
@@ -508,11 +523,28 @@ def chunk_cb(s: ScanShapes, cu, C, B, *, blocks, interpret):
     )(cu, C, B)
 
 
-def chunk_scan(s: ScanShapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, blocks, interpret):
-    """Stage 3b: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed."""
+def chunk_scan(
+    s: ScanShapes,
+    cu,
+    x,
+    C,
+    cb,
+    dt_chunks,
+    cum,
+    carried,
+    D,
+    z,
+    *,
+    blocks,
+    interpret,
+    with_ssm: bool = False,
+):
+    """Stage 3b: ``y[T, H, P]`` in ``x``'s dtype, bucket rows past the chunks zeroed; with
+    ``with_ssm``, ``(y, y_ssm)``: also y before the D skip and the z gate (rows of the
+    chunks only), which the backward reads instead of recomputing it."""
     bcs = s.block_chunk
     block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
-    return pl.pallas_call(
+    y, y_ssm = pl.pallas_call(
         functools.partial(
             _chunk_scan_kernel,
             heads_per_group=s.heads // s.groups,
@@ -522,11 +554,164 @@ def chunk_scan(s: ScanShapes, cu, x, C, cb, dt_chunks, cum, carried, D, z, *, bl
             state_dim=s.state_dim,
         ),
         grid=(bcs // block_m, s.heads, s.max_chunks + _TAIL_PROGRAMS),
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_shape=(
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            # fp32: the backward's decay cotangent dy · y_ssm − dt' x · g cancels, and is
+            # summed along the chunk; bf16 rounding of y_ssm there cost dt_bias 4% (bf16
+            # inputs, tests/kernels/test_ssd_gradients.py).
+            jax.ShapeDtypeStruct(x.shape, jnp.float32) if with_ssm else None,
+        ),
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name=f"ssd_chunk_scan_cs{s.chunk_size}_bm{block_m}_bk{block_k}",
     )(cu, x, C, cb, dt_chunks, cum, carried, D, z)
+    return (y, y_ssm) if with_ssm else y
+
+
+def _forward(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    dt_bias,
+    initial_states,
+    metadata: ChunkMetadata,
+    *,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    return_intermediate_states: bool,
+    state_dtype,
+    config: BlockSizes,
+    interpret: bool,
+    residuals: bool = False,
+):
+    """The three launches: ``(y, states, saved)``. With ``residuals`` (under
+    differentiation), ``saved`` is ``(dt_chunks, cum, carried, cb, y_ssm)`` for the
+    backward, with the carried states in fp32 (the chunk scan casts them to C's dtype, so
+    y is the same); else None and the carried states are in C's dtype."""
+    s = ScanShapes.of(x, B, metadata)
+    H, P = s.heads, s.head_dim
+    blocks = config
+    f32 = jnp.float32
+    dt_bias = None if dt_bias is None else dt_bias.astype(f32)
+    D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
+
+    dt_chunks, cum, carried, states = state_scan(
+        s,
+        metadata,
+        x,
+        dt,
+        A.astype(f32),
+        B,
+        dt_bias,
+        initial_states,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        intermediate=return_intermediate_states,
+        state_dtype=state_dtype,
+        carried_dtype=jnp.float32 if residuals else C.dtype,
+        blocks=blocks,
+        interpret=interpret,
+    )
+    cu = metadata.cu_chunk_seqlens
+    cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
+    y = chunk_scan(
+        s,
+        cu,
+        x,
+        C,
+        cb,
+        dt_chunks,
+        cum,
+        carried,
+        D,
+        z,
+        blocks=blocks,
+        interpret=interpret,
+        with_ssm=residuals,
+    )
+    if not residuals:
+        return y, states, None
+    y, y_ssm = y
+    return y, states, (dt_chunks, cum, carried, cb, y_ssm)
+
+
+@functools.cache
+def _differentiable(
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    return_intermediate_states: bool,
+    state_dtype,
+    config: BlockSizes,
+    interpret: bool,
+):
+    """The scan with its Pallas backward kernels (``ssd/triton_backward.py``), for one set
+    of static options. Outside differentiation it is the plain forward; under it, the
+    forward also returns the backward's residuals (``_forward(residuals=True)``), with the
+    same y and states."""
+    options = dict(
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        return_intermediate_states=return_intermediate_states,
+        state_dtype=state_dtype,
+        config=config,
+        interpret=interpret,
+    )
+
+    @jax.custom_vjp
+    def scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata):
+        y, states, _ = _forward(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata, **options)
+        return y, states
+
+    def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata):
+        y, states, saved = _forward(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dt_bias,
+            initial_states,
+            metadata,
+            residuals=True,
+            **options,
+        )
+        inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)
+        return (y, states), (inputs, triton_backward.Residuals(*saved))
+
+    def backward_rule(residuals, cotangents):
+        (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata), saved = residuals
+        dy, dstates = cotangents
+        grads = triton_backward.ssd_scan_backward(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dt_bias,
+            initial_states,
+            saved,
+            dy,
+            dstates,
+            metadata=metadata,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            return_intermediate_states=return_intermediate_states,
+            config=triton_backward.default_backward_block_sizes(config),
+            interpret=interpret,
+        )
+        # The chunk layout (integers) is not differentiated.
+        return (*grads, None)
+
+    scan.defvjp(forward, backward_rule)
+    return scan
 
 
 def ssd_scan(
@@ -549,35 +734,16 @@ def ssd_scan(
     config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """See :func:`pallas_kernels.ssd_scan`; arguments are already validated."""
+    """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
+    Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
+    backward kernels of ``ssd/triton_backward.py``."""
     del chunk_size  # the api checked it is metadata.chunk_size
-    s = ScanShapes.of(x, B, metadata)
-    H, P = s.heads, s.head_dim
-    blocks = config
-    f32 = jnp.float32
-    dt_bias = None if dt_bias is None else dt_bias.astype(f32)
-    D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
-
-    dt_chunks, cum, carried, states = state_scan(
-        s,
-        metadata,
-        x,
-        dt,
-        A.astype(f32),
-        B,
-        dt_bias,
-        initial_states,
-        dt_softplus=dt_softplus,
-        dt_limit=dt_limit,
-        intermediate=return_intermediate_states,
-        state_dtype=state_dtype,
-        carried_dtype=C.dtype,
-        blocks=blocks,
-        interpret=interpret,
+    scan = _differentiable(
+        bool(dt_softplus),
+        tuple(float(v) for v in dt_limit),
+        bool(return_intermediate_states),
+        jnp.dtype(state_dtype),
+        config,
+        bool(interpret),
     )
-    cu = metadata.cu_chunk_seqlens
-    cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
-    y = chunk_scan(
-        s, cu, x, C, cb, dt_chunks, cum, carried, D, z, blocks=blocks, interpret=interpret
-    )
-    return y, states
+    return scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)
