@@ -1,8 +1,16 @@
 """Masked-tail attention (``masked_tail_attention``) benchmarks.
 
-``python -m benchmarks.attention [--out results.json] [--quick]``. Problems: dense causal
-prefill, a ragged batch whose KV tails are mostly masked, chunked prefill on long cached
-prefixes, and decode over ragged KV lengths; ``--quick`` shrinks them for a CPU smoke run.
+``python -m benchmarks.attention [--out results.json] [--quick] [--only PROBLEM ...]
+[--paged-only] [--page-size 256]``. Problems: dense causal prefill, a ragged batch whose KV
+tails are mostly masked, chunked prefill on long cached prefixes, and decode over ragged KV
+lengths; ``--quick`` shrinks them for a CPU smoke run.
+
+Paged rows (``<impl>-paged``, every Pallas backend): the same problem on the same keys and
+values copied into a page pool (``block_table``; pages of ``--page-size`` keys, 16 with
+``--quick``) holding only the pages the sequences use, in shuffled order; each such row
+carries ``paged_over_contiguous``, its time over the contiguous row's. ``--paged-only``
+runs just the Pallas backends' contiguous and paged rows (no xla, no cuDNN), e.g. on an
+H200: ``PYTHONPATH=. python3 -m benchmarks.attention --paged-only --out $OUT/paged.json``.
 
 Rows: ``xla`` (the reference), ``triton`` and, on a GPU, cuDNN
 (``jax.nn.dot_product_attention(..., implementation="cudnn")`` on the dense
@@ -16,8 +24,10 @@ are visible to some query (each read once per KV head).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -99,7 +109,40 @@ def dense_queries(p: Problem, q: jax.Array, qsl: np.ndarray) -> jax.Array:
     return jnp.stack(rows)
 
 
-def bench(p: Problem, ceilings: harness.Ceilings) -> list[dict]:
+def page_pool(
+    k_cache: jax.Array, v_cache: jax.Array, kv_lens: Sequence[int], page_size: int, seed: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The contiguous caches' used pages in a shuffled pool: ``(k_pool, v_pool, block_table)``.
+
+    Slot ``b`` of ``k_cache[B, L, Hkv, D]`` holds sequence ``b``; its first
+    ``cdiv(kv_lens[b], page_size)`` pages go to random places of a pool of exactly the
+    pages in use (what a paged engine allocates); table entries past them are -1.
+    """
+    num_seqs, cache_len = k_cache.shape[:2]
+    if cache_len % page_size:
+        raise ValueError(f"--page-size={page_size} must divide the cache length {cache_len}")
+    max_blocks = cache_len // page_size
+    used = [
+        (b, j) for b, n in enumerate(kv_lens) for j in range(-(-min(n, cache_len) // page_size))
+    ]
+    order = np.random.default_rng(seed).permutation(len(used))
+    source = np.empty(len(used), np.int32)  # pool page -> page of the contiguous cache
+    table = np.full((num_seqs, max_blocks), -1, np.int32)
+    for page, i in enumerate(order):
+        b, j = used[i]
+        source[page] = b * max_blocks + j
+        table[b, j] = page
+    source = jnp.asarray(source)
+
+    def pool(cache):
+        return cache.reshape(num_seqs * max_blocks, page_size, *cache.shape[2:])[source]
+
+    return pool(k_cache), pool(v_cache), jnp.asarray(table)
+
+
+def bench(
+    p: Problem, ceilings: harness.Ceilings, *, page_size: int, paged_only: bool = False
+) -> list[dict]:
     B, T, L = len(p.q_lens), p.num_tokens, p.cache_len
     keys = iter(jax.random.split(jax.random.key(1), 3))
 
@@ -132,7 +175,12 @@ def bench(p: Problem, ceilings: harness.Ceilings) -> list[dict]:
             )
         )
 
-    for impl in harness.runnable(attention_api.MASKED_TAIL_ATTENTION):
+    impls = [
+        impl
+        for impl in harness.runnable(attention_api.MASKED_TAIL_ATTENTION)
+        if not (paged_only and impl == "xla")
+    ]
+    for impl in impls:
         call = functools.partial(
             masked_tail_attention,
             query_start_loc=qsl,
@@ -147,6 +195,32 @@ def bench(p: Problem, ceilings: harness.Ceilings) -> list[dict]:
             print(f"note: {p.name}: no {impl} row ({error})")
             continue
         add(impl, jax.jit(call), q, k_cache, v_cache)
+
+    pallas = [impl for impl in impls if impl != "xla"]
+    if pallas:
+        k_pool, v_pool, table = page_pool(k_cache, v_cache, p.kv_lens, page_size)
+        contiguous = {r["implementation"]: r["median_ms"] for r in rows}
+        for impl in pallas:
+            call = functools.partial(
+                masked_tail_attention,
+                query_start_loc=qsl,
+                kv_lens=kv_lens,
+                slot_ids=slots,
+                block_table=table,
+                causal=p.causal,
+                implementation=impl,
+            )
+            try:
+                backend_for(call, q, k_pool, v_pool)
+            except ValueError as error:
+                print(f"note: {p.name}: no {impl}-paged row ({error})")
+                continue
+            add(f"{impl}-paged", jax.jit(call), q, k_pool, v_pool, page_size=page_size)
+            if impl in contiguous:
+                rows[-1]["paged_over_contiguous"] = rows[-1]["median_ms"] / contiguous[impl]
+        del k_pool, v_pool  # the decode pools are GiBs
+    if paged_only:
+        return rows
 
     if not on_gpu():
         print(f"note: {p.name}: no cudnn row (needs a CUDA GPU)")
@@ -174,14 +248,43 @@ def bench(p: Problem, ceilings: harness.Ceilings) -> list[dict]:
     return rows
 
 
+def _paged_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """This module's own flags (``--paged-only``, ``--page-size``) and the rest of argv."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--paged-only", action="store_true")
+    parser.add_argument("--page-size", type=int, default=None)
+    return parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+
+
+def report_paged(rows: Sequence[dict]) -> None:
+    """Prints each paged row next to its contiguous row."""
+    paged = [r for r in rows if "paged_over_contiguous" in r]
+    if not paged:
+        return
+    header = f"{'problem':<22}{'impl':<8}{'contig ms':>10}{'paged ms':>10}{'paged/contig':>14}"
+    print("\n## paged KV (block_table) vs contiguous slots\n" + header + "\n" + "-" * len(header))
+    for r in paged:
+        impl = r["implementation"].removesuffix("-paged")
+        print(
+            f"{r['problem']:<22}{impl:<8}{r['median_ms'] / r['paged_over_contiguous']:>10.3f}"
+            f"{r['median_ms']:>10.3f}{r['paged_over_contiguous']:>14.3f}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
+    paged, argv = _paged_args(argv)
     args = harness.parse_args(argv, "masked_tail_attention benchmarks")
+    page_size = paged.page_size or (16 if args.quick else 256)
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
     for p in problems(args.quick):
-        rows += bench(p, ceilings)
+        if harness.selected(p.name, args.only):
+            rows += bench(p, ceilings, page_size=page_size, paged_only=paged.paged_only)
+            if args.out is not None:  # progressively: a run cut short keeps what it measured
+                harness.report("masked_tail_attention", rows, ceilings, args.out)
     harness.add_speedups(rows)
     harness.report("masked_tail_attention", rows, ceilings, args.out)
+    report_paged(rows)
     return rows
 
 

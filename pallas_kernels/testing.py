@@ -495,6 +495,33 @@ def causal_conv1d_update_oracle(
 # --------------------------------------------------------------------------- attention
 
 
+def _check_block_table(block_table: ArrayLike | None, num_seqs: int) -> np.ndarray | None:
+    """The checked ``block_table[B, max_blocks]`` as int64, or None (contiguous slots)."""
+    if block_table is None:
+        return None
+    table = _i64(block_table)
+    if table.ndim != 2 or table.shape[0] != num_seqs or table.shape[1] < 1:
+        raise ValueError(f"block_table: expected shape [{num_seqs}, max_blocks], got {table.shape}")
+    return table
+
+
+def _key_address(
+    table: np.ndarray | None, b: int, slot: int, keys: np.ndarray, cache_shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cache line, row) of keys ``keys`` of sequence ``b``: its slot's rows, or through
+    the block table one page per ``block_size`` keys; a page outside the pool raises."""
+    if table is None:
+        return np.full_like(keys, slot), keys
+    num_blocks, block_size = cache_shape[:2]
+    pages = table[b, keys // block_size]
+    if np.any((pages < 0) | (pages >= num_blocks)):
+        raise ValueError(
+            f"block_table[{b}] names pages {sorted(set(pages.tolist()))} for keys it reads; "
+            f"the pool has {num_blocks}"
+        )
+    return pages, keys % block_size
+
+
 def attention_oracle(
     q: ArrayLike,
     k_cache: ArrayLike,
@@ -503,11 +530,12 @@ def attention_oracle(
     query_start_loc: ArrayLike,
     kv_lens: ArrayLike,
     slot_ids: ArrayLike,
+    block_table: ArrayLike | None = None,
     causal: bool = True,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
 ) -> np.ndarray:
-    """Softmax attention of packed queries over a slot-indexed KV cache, row by row.
+    """Softmax attention of packed queries over a slot-indexed or paged KV cache, row by row.
 
     Query row ``i`` of sequence ``b`` (``q_len = qsl[b+1] - qsl[b]``) sits at absolute
     position ``pos = kv_lens[b] - q_len + i`` and sees keys ``j`` with
@@ -516,14 +544,23 @@ def attention_oracle(
     entries at ``j >= kv_lens[b]`` are never read (they may hold NaN). ``kv_lens[b]``
     larger than the cache length ``L`` is clipped to ``L``.
 
+    Paged (``block_table`` given): the caches are page pools and key ``j`` of sequence
+    ``b`` is read, one key at a time, from page ``block_table[b, j // block_size]``, row
+    ``j % block_size``; ``L = max_blocks * block_size``. Only visible keys' entries are
+    read (others may hold -1 or anything); a visible key on a page outside the pool
+    raises ``ValueError``.
+
     Args:
       q: ``q[T, Hq, D]`` packed queries.
       k_cache: ``k_cache[S, L, Hkv, D]``; query head ``h`` uses KV head ``h // (Hq // Hkv)``.
-      v_cache: ``v_cache[S, L, Hkv, D]``.
+        Paged: ``k_cache[num_blocks, block_size, Hkv, D]``.
+      v_cache: ``v_cache``, the same shape.
       query_start_loc: ``int[B+1]`` packed sequence boundaries.
       kv_lens: ``int[B]`` valid keys per sequence, this step's tokens included.
       slot_ids: ``int[B]`` cache slot per sequence; ``-1`` (or any
-        id outside ``[0, S)``) = padding sequence.
+        id outside ``[0, S)``) = padding sequence. Paged: any id ``< 0`` is padding, any
+        id ``>= 0`` live.
+      block_table: ``int[B, max_blocks]`` page of each block of keys, or None.
       causal: mask keys after the query's position.
       sm_scale: softmax scale; ``D ** -0.5`` when None.
       sliding_window: window size ``W`` or None.
@@ -552,11 +589,14 @@ def attention_oracle(
         raise ValueError(f"sliding_window: expected None or >= 1, got {sliding_window}")
     scale = Dh**-0.5 if sm_scale is None else float(sm_scale)
     heads_per_kv = Hq // Hkv
+    table = _check_block_table(block_table, len(bounds))
+    if table is not None:
+        L *= table.shape[1]  # the table's capacity
 
     out = np.zeros((T, Hq, Dh))
     for b, (start, end) in enumerate(bounds):
         slot = int(slots[b])
-        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
+        if slot < 0 or (table is None and slot >= S):  # padding
             continue
         kv_len = min(int(lens[b]), L)
         q_len = end - start
@@ -566,11 +606,11 @@ def attention_oracle(
             lo = max(0, pos - sliding_window + 1) if sliding_window is not None else 0
             if hi <= lo:
                 continue
-            keys = np.arange(lo, hi)
+            line, row = _key_address(table, b, slot, np.arange(lo, hi), kc.shape)
             for h in range(Hq):
                 kv_h = h // heads_per_kv
-                k_rows = _f64(kc[slot, keys, kv_h])  # [n, D]; only visible entries read
-                v_rows = _f64(vc[slot, keys, kv_h])
+                k_rows = _f64(kc[line, row, kv_h])  # [n, D]; only visible entries read
+                v_rows = _f64(vc[line, row, kv_h])
                 logits = scale * (k_rows @ q_[start + i, h])
                 p = np.exp(logits - logits.max())
                 out[start + i, h] = (p / p.sum()) @ v_rows
@@ -586,12 +626,16 @@ def write_kv_oracle(
     query_start_loc: ArrayLike,
     kv_lens: ArrayLike,
     slot_ids: ArrayLike,
+    block_table: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write this step's keys/values into the cache.
 
-    Token ``i`` of sequence ``b`` goes to position ``kv_lens[b] - q_len[b] + i`` of slot
+    Token ``i`` of sequence ``b`` goes to position ``p = kv_lens[b] - q_len[b] + i`` of slot
     ``slot_ids[b]``. Padding sequences (slot ``-1`` or any id outside ``[0, S)``) write
-    nothing; positions outside ``[0, L)`` are dropped.
+    nothing; positions outside ``[0, L)`` are dropped. Paged (``block_table`` given): ``p``
+    goes to row ``p % block_size`` of page ``block_table[b, p // block_size]``; any slot id
+    ``>= 0`` is live; positions outside ``[0, max_blocks * block_size)`` and pages outside
+    the pool are dropped.
 
     Args:
       k_cache: ``k_cache[S, L, Hkv, D]``.
@@ -601,6 +645,8 @@ def write_kv_oracle(
       query_start_loc: ``int[B+1]`` packed sequence boundaries.
       kv_lens: ``int[B]`` valid keys per sequence after this step.
       slot_ids: ``int[B]`` cache slot per sequence.
+      block_table: ``int[B, max_blocks]`` or None; the caches are then page pools
+        ``[num_blocks, block_size, Hkv, D]``.
 
     Returns:
       ``(new_k_cache, new_v_cache)``, float64, same shapes as the caches.
@@ -621,17 +667,27 @@ def write_kv_oracle(
     slots = _i64(slot_ids)
     _check_shape("kv_lens", lens, (len(bounds),))
     _check_shape("slot_ids", slots, (len(bounds),))
+    table = _check_block_table(block_table, len(bounds))
 
     for b, (start, end) in enumerate(bounds):
         slot = int(slots[b])
-        if not 0 <= slot < S:  # padding: -1, or any id outside [0, S)
+        if slot < 0 or (table is None and slot >= S):  # padding
             continue
         q_len = end - start
         for i in range(q_len):
             pos = int(lens[b]) - q_len + i
-            if 0 <= pos < L:
-                kc[slot, pos] = k_[start + i]
-                vc[slot, pos] = v_[start + i]
+            if table is None:
+                line, row = slot, pos
+                if not 0 <= pos < L:
+                    continue
+            else:
+                if not 0 <= pos < table.shape[1] * L:
+                    continue  # past the table's capacity
+                line, row = int(table[b, pos // L]), pos % L
+                if not 0 <= line < S:
+                    continue  # a page outside the pool
+            kc[line, row] = k_[start + i]
+            vc[line, row] = v_[start + i]
     return kc, vc
 
 

@@ -29,8 +29,15 @@ are computed and dropped. Outputs go out through TMA stores of exactly the rows 
 consumer owns (a ladder of power-of-two row counts; TMA boxes are static), so no item
 writes another sequence's rows. Rows no live sequence owns are written as zeros.
 
+Paged caches (``block_table``): the plan carries each item's row of the block table and
+the producer reads the page of KV block ``j`` from it, ``table[item, j * block_k //
+page_size]`` (clamped into the pool), and TMA-copies the tile from row
+``j * block_k % page_size`` of that page; ``block_k`` divides the page, so a tile never
+spans two pages. Nothing else changes: the consumers see the same ring of tiles.
+
 Covers bf16/fp16 queries and caches of the same dtype, head dims 64 and 128, any GQA
-group, and token counts and cache lengths that are multiples of 8. Other cases, and
+group, and token counts and cache lengths (paged: page sizes, multiples of 64) that are
+multiples of 8. Other cases, and
 decode-shaped batches (bandwidth-bound: the Triton flash-decoding kernels), go to the
 Triton kernels (:func:`supports`).
 """
@@ -69,6 +76,8 @@ _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
 # 128-byte swizzle of 64-element (bf16) rows: the wgmma operand layout for K and V tiles.
 _SWIZZLE_BYTES: Final = 128
 _SUPPORTED_HEAD_DIMS: Final = (64, 128)
+# Smallest KV tile (BlockSizes.block_k): paged caches need pages of a multiple of it.
+_MIN_BLOCK_K: Final = 64
 # Rows of a swizzled tile: TMA copies of tiled tiles need T and L to be multiples of it.
 _TMA_ROWS: Final = 8
 
@@ -114,11 +123,22 @@ def default_head_group(*, num_q_heads: int, group: int, num_items: int, num_sms:
 
 
 def supports(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, query_start_loc: jax.Array, **_
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    block_table: jax.Array | None = None,
+    **_,
 ) -> str | None:
     """Why the Mosaic GPU prefill kernel cannot take this call (None: it can). Static facts
     only: shapes and dtypes."""
     del v_cache  # the api checked it has k_cache's shape and dtype
+    if block_table is not None and k_cache.shape[1] % _MIN_BLOCK_K:
+        return (
+            f"block_size={k_cache.shape[1]} is not a multiple of {_MIN_BLOCK_K}: a KV tile "
+            "of the Mosaic kernel must lie in one page"
+        )
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q is {q.dtype}; the wgmma kernel takes bf16 or fp16"
     if k_cache.dtype != q.dtype:
@@ -133,12 +153,26 @@ def supports(
     return None
 
 
-def check_block_sizes(config: BlockSizes, *, num_q_heads: int) -> None:
-    """A ``head_group`` must divide the query heads."""
+def check_block_sizes(
+    config: BlockSizes, *, num_q_heads: int, page_size: int | None = None
+) -> None:
+    """A ``head_group`` must divide the query heads; paged, ``block_k`` the page size."""
     if config.head_group is not None and num_q_heads % config.head_group:
         raise ValueError(
             f"config.head_group={config.head_group} must divide num_q_heads={num_q_heads}"
         )
+    if page_size is not None and page_size % config.block_k:
+        raise ValueError(
+            f"config.block_k={config.block_k} must divide the paged cache's block_size={page_size}"
+        )
+
+
+def default_block_sizes(*, page_size: int | None = None) -> BlockSizes:
+    """The default tiling; paged, KV tiles of at most the page (128 or 64 keys)."""
+    blocks = BlockSizes()
+    if page_size is not None and page_size % blocks.block_k:
+        blocks = dataclasses.replace(blocks, block_k=_MIN_BLOCK_K)
+    return blocks
 
 
 @jax.tree_util.register_dataclass
@@ -167,6 +201,8 @@ class Plan:
     mid_lo: jax.Array  # [I, C] first of its unmasked blocks
     mid_hi: jax.Array  # [I, C] one past the last unmasked block
     hi_blk: jax.Array  # [I, C] one past the last computed block
+    # [I, max_blocks] paged: the block table row of the item's sequence; None: contiguous
+    table: jax.Array | None = None
 
     @property
     def num_items(self) -> int:
@@ -184,8 +220,13 @@ def plan(
     cache_len: int,
     block_q: int,
     block_k: int,
+    block_table: jax.Array | None = None,
 ) -> Plan:
     """The kernel's :class:`Plan` (jittable, no host sync).
+
+    Paged (``block_table[B, max_blocks]``): ``num_slots`` is the pool's page count,
+    ``cache_len`` the longest context ``max_blocks * page_size``; any slot id >= 0 is live
+    and each item carries its sequence's table row.
 
     Segments are the sequences' rows plus the bucket rows past the last one (zeroed).
     A segment's items are ``_CONSUMERS * block_q``-row blocks starting at its first row
@@ -213,7 +254,11 @@ def plan(
     row0 = seg_aligned[seg] + (item - (seg_items_end[seg] - seg_items[seg])) * item_rows
     seq = jnp.minimum(seg, num_seqs - 1)
     is_seq = used & (seg < num_seqs)
-    slot = jnp.where(is_seq, checked_slots(slot_ids, num_slots)[seq], -1)
+    if block_table is None:
+        seq_slot = checked_slots(slot_ids, num_slots)
+    else:  # slot ids only mark padding
+        seq_slot = jnp.where(slot_ids >= 0, 0, -1)
+    slot = jnp.where(is_seq, seq_slot[seq], -1)
     attend = slot >= 0
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     pos0 = row0 + (kv_lens - q_len - query_start_loc[:-1])[seq]
@@ -258,6 +303,7 @@ def plan(
         mid_lo=own_or_release(mid_lo),
         mid_hi=own_or_release(mid_hi),
         hi_blk=own_or_release(hi_blk),
+        table=None if block_table is None else block_table[seq],
     )
     # Longest first; items that store nothing last.
     order = jnp.argsort(-jnp.where(used, kv_hi - kv_lo, -1), stable=True)
@@ -269,8 +315,8 @@ def _kernel(
     scale_ref,  # [1] fp32: sm_scale * log2(e)
     band_ref,  # [2] int32: (left, right)
     q_ref,  # [T, Hq, D]
-    k_ref,  # [S, L, Hkv, D]
-    v_ref,  # [S, L, Hkv, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
     o_ref,  # [T, Hq, D]
     *,
     group: int,
@@ -296,26 +342,39 @@ def _kernel(
         kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
         slot = jnp.maximum(plan.slot[item], 0)
 
-        def kv_tile(ref, j):
-            return ref.at[slot, pl.ds(j * block_k, block_k), kv_head]
+        def kv_block(j):
+            """(cache line, first row) of KV block ``j``."""
+            if plan.table is None:
+                return slot, j * block_k
+            # Paged: block j's page (clamped into the pool: a bad table entry is a caller
+            # bug, the copy stays in bounds) and its rows there; block_k divides the page.
+            page_size = k_ref.shape[1]
+            key0 = j * block_k
+            page = plan.table[item, lax.div(key0, page_size)]
+            return jnp.clip(page, 0, k_ref.shape[0] - 1), lax.rem(key0, page_size)
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            def load(j, ring):
-                plgpu.copy_gmem_to_smem(kv_tile(k_ref, j), k_smem.at[ring], k_full.at[ring])
-                plgpu.copy_gmem_to_smem(kv_tile(v_ref, j), v_smem.at[ring], v_full.at[ring])
+            def load(block, ring):
+                line, row = block
+                for ref, smem, full in ((k_ref, k_smem, k_full), (v_ref, v_smem, v_full)):
+                    src = ref.at[line, pl.ds(row, block_k), kv_head]
+                    plgpu.copy_gmem_to_smem(src, smem.at[ring], full.at[ring])
 
             for i in range(num_stages):  # the ring's first fill
-                pl.when(kv_lo + i < kv_hi)(functools.partial(load, kv_lo + i, i))
+                pl.when(kv_lo + i < kv_hi)(lambda i=i: load(kv_block(kv_lo + i), i))
 
             @pl.loop(kv_lo + num_stages, kv_hi)
             def _steady(j):
                 ring = lax.rem(j - kv_lo, num_stages)
+                # The page lookup (paged) is issued before the wait: its latency hides
+                # under the consumers' work on the slot.
+                block = kv_block(j)
                 plgpu.barrier_wait(k_free.at[ring])
                 plgpu.barrier_wait(v_free.at[ring])
-                load(j, ring)
+                load(block, ring)
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
@@ -471,16 +530,22 @@ def prefill_attention(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool | jax.Array,
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
     block_sizes: BlockSizes,
 ) -> jax.Array:
     """The Mosaic GPU prefill kernel, ``out[T, Hq, D]``; the call must be
-    :func:`supports`-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced."""
+    :func:`supports`-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced.
+    With ``block_table`` the caches are page pools (``block_k`` must divide the page)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
     b = block_sizes
+    if block_table is not None:
+        check_block_sizes(b, num_q_heads=num_q_heads, page_size=cache_len)
+        cache_len *= block_table.shape[1]
+        block_table = block_table.astype(jnp.int32)
     band = band_operand(causal, sliding_window)
     item_plan = plan(
         query_start_loc,
@@ -492,6 +557,7 @@ def prefill_attention(
         cache_len=cache_len,
         block_q=b.block_q,
         block_k=b.block_k,
+        block_table=block_table,
     )
     group = num_q_heads // num_kv_heads
     if b.head_group is None:
@@ -536,6 +602,7 @@ def masked_tail_attention(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool,
     sm_scale: float,
     sliding_window: int | None,
@@ -553,6 +620,7 @@ def masked_tail_attention(
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
         slot_ids=slot_ids,
+        block_table=block_table,
         causal=causal,
         sm_scale=sm_scale,
         sliding_window=sliding_window,

@@ -1,12 +1,17 @@
-"""Pure ``jax.numpy`` attention over a slot-indexed KV cache: the ``xla`` implementation.
+"""Pure ``jax.numpy`` attention over a slot-indexed or paged KV cache: the ``xla``
+implementation.
 
 Queries are taken in blocks of ``block_q`` packed rows aligned to sequence starts (a block
 never holds two sequences, as in the kernels), one block per step of a ``lax.scan``: the
-block gathers its slot's keys and values once, ``[L, Hkv, D]``, and masks each row by its
+block gathers its sequence's keys and values once, ``[L, Hkv, D]`` (its slot's line, or
+with a block table its ``max_blocks`` pages side by side, ``L = max_blocks * block_size``,
+page ids clamped into the pool), and masks each row by its
 absolute position ``kv_lens[b] − q_len[b] + i``: ``j < kv_len``, ``j <= pos`` (causal) and
 ``j > pos − W`` (sliding window). Masked keys and values are replaced by zeros before any
 arithmetic, so whatever lies in the cache tail (NaN in the tests) never reaches the output.
-Memory per step is bounded by one slot's cache and ``[Hq, block_q, L]`` logits, whatever T.
+Memory per step is bounded by one sequence's cache and ``[Hq, block_q, L]`` logits,
+whatever T. Under differentiation the gather's transpose adds each sequence's key and value
+gradients into its pages (shared pages sum over the sequences that read them).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def masked_tail_attention(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool,
     sm_scale: float,
     sliding_window: int | None,
@@ -42,6 +48,9 @@ def masked_tail_attention(
     f32 = jnp.float32
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    if block_table is not None:
+        # Paged: num_slots is the pool's page count, cache_len the longest context.
+        cache_len *= block_table.shape[1]
     num_seqs = slot_ids.shape[0]
     group = num_q_heads // num_kv_heads
     precision = matmul_precision(q.dtype)
@@ -70,9 +79,15 @@ def masked_tail_attention(
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
         key_live = (key_pos < kv_len)[:, None, None]
-        slot_c = jnp.clip(slot, 0, num_slots - 1)
-        k = jnp.where(key_live, k_cache[slot_c], 0)  # [L, Hkv, D]
-        v = jnp.where(key_live, v_cache[slot_c], 0).astype(f32)
+        if block_table is None:
+            line = jnp.clip(slot, 0, num_slots - 1)
+            k_seq, v_seq = k_cache[line], v_cache[line]  # [L, Hkv, D]
+        else:
+            pages = jnp.clip(block_table[b], 0, num_slots - 1)  # [max_blocks]
+            k_seq = k_cache[pages].reshape(cache_len, num_kv_heads, head_dim)
+            v_seq = v_cache[pages].reshape(cache_len, num_kv_heads, head_dim)
+        k = jnp.where(key_live, k_seq, 0)
+        v = jnp.where(key_live, v_seq, 0).astype(f32)
         q_b = jax.lax.dynamic_slice_in_dim(q_padded, row0, block_q)
         q_g = q_b.reshape(block_q, num_kv_heads, group, head_dim)
         logits = jnp.einsum(

@@ -47,6 +47,15 @@ Algorithm 2; see the backward section).
 ``write_kv`` (grid: token) copies each token's keys and values to its slot and position,
 in place through ``input_output_aliases``.
 
+Paged caches (``block_table[B, max_blocks]``, caches ``[num_blocks, page_size, Hkv, D]``):
+every kernel reads KV block ``kb`` of a sequence from page
+``block_table[b, kb * block_k // page_size]`` at row ``kb * block_k % page_size``
+(:func:`_kv_lines`; ``block_k`` divides the page, so a block never spans two pages, and
+the page id is clamped into the pool before any load); the block schedule, masks and tail
+skipping are the contiguous ones, with ``L = max_blocks * page_size``. The dk/dv kernel
+writes per-sequence gradient lines that a scatter-add sums into the pages (pages shared
+by several sequences get every reader's gradient, with no two programs writing one place).
+
 The mask (causal, window) and the logit scale are operands, not compile-time constants
 (see ``_layout.NO_WINDOW``). Cache entries outside ``[0, kv_len)`` are loaded with
 ``other=0`` masks (never read), so NaN in cache tails or unnamed slots never reaches an
@@ -85,6 +94,7 @@ from pallas_kernels.attention._layout import (
     scale_operand,
     token_layout,
 )
+from pallas_kernels.attention.kv_cache import kv_destination
 from pallas_kernels.backend import device_num_sms, pallas_dtypes
 
 # Masked logits get the lowest finite fp32, not -inf: a row with no visible key in a block
@@ -145,20 +155,31 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class _AttentionShapes:
-    """Static sizes of one call: ``q[T, Hq, D]``, caches ``[S, L, Hkv, D]``, B sequences."""
+    """Static sizes of one call: ``q[T, Hq, D]``, caches ``[S, L, Hkv, D]``, B sequences;
+    paged, caches ``[num_blocks, page_size, Hkv, D]`` and ``block_table[B, max_blocks]``."""
 
     num_tokens: int  # T
     num_q_heads: int  # Hq
     num_kv_heads: int  # Hkv
     head_dim: int  # D
-    num_slots: int  # S
-    cache_len: int  # L
+    num_slots: int  # S, or the pool's num_blocks
+    cache_len: int  # L, or the longest paged context max_blocks * page_size
     num_seqs: int  # B
+    page_size: int | None = None  # keys per page; None: contiguous slots
 
     @classmethod
-    def of(cls, q: jax.Array, k_cache: jax.Array, query_start_loc: jax.Array) -> _AttentionShapes:
+    def of(
+        cls,
+        q: jax.Array,
+        k_cache: jax.Array,
+        query_start_loc: jax.Array,
+        block_table: jax.Array | None = None,
+    ) -> _AttentionShapes:
         num_tokens, num_q_heads, head_dim = q.shape
         num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+        page_size = None
+        if block_table is not None:
+            page_size, cache_len = cache_len, cache_len * block_table.shape[1]
         return cls(
             num_tokens=num_tokens,
             num_q_heads=num_q_heads,
@@ -167,6 +188,7 @@ class _AttentionShapes:
             num_slots=num_slots,
             cache_len=cache_len,
             num_seqs=query_start_loc.shape[0] - 1,
+            page_size=page_size,
         )
 
     @property
@@ -260,9 +282,31 @@ def _kv_loop(kv_block, carry, lo_blk, mid_lo, mid_hi, hi_blk):
     return jax.lax.fori_loop(mid_hi, hi_blk, functools.partial(kv_block, masked=True), carry)
 
 
-def _load_kv(ref, slot, start, h, *, block_k, head_dim, kv_len, masked):
-    """``[block_k, bd]`` keys or values ``start..start+block_k`` of ``slot``, KV head ``h``;
-    entries at or past ``kv_len`` (masked blocks) and the head-dim padding read 0."""
+def _kv_lines(table_ref, r, *, page_size: int | None, num_lines: int):
+    """``start -> (line, row)``: where keys ``start..start+block_k`` of table row ``r`` lie.
+
+    ``table_ref[R, W]`` int32 addresses the keys. Contiguous (``page_size`` None): ``W = 1``,
+    the entry is the row's slot (read once, outside the KV loop) and key ``j`` is at
+    ``[slot, j]``. Paged: key ``j`` is at ``[table[r, j // page_size], j % page_size]``, the
+    page clamped into the pool (an entry a sequence needs outside it is a caller bug, which
+    ``validate=True`` reports; the kernels stay in bounds). A KV block never spans two pages:
+    ``block_k`` divides ``page_size`` (:func:`check_paged_block_sizes`).
+    """
+    if page_size is None:
+        slot = table_ref[r, 0]
+        return lambda start: (slot, start)
+
+    def paged(start):
+        page = table_ref[r, start // page_size]
+        return jnp.clip(page, 0, num_lines - 1), start % page_size
+
+    return paged
+
+
+def _load_kv(ref, line, row, start, h, *, block_k, head_dim, kv_len, masked):
+    """``[block_k, bd]`` keys or values ``start..start+block_k`` (rows ``row..`` of cache line
+    ``line``), KV head ``h``; entries at or past ``kv_len`` (masked blocks) and the head-dim
+    padding read 0."""
     bd = block_dim(head_dim, MIN_DOT_DIM)
     d_live = jnp.arange(bd) < head_dim
     if masked:
@@ -271,26 +315,34 @@ def _load_kv(ref, slot, start, h, *, block_k, head_dim, kv_len, masked):
         mask = jnp.broadcast_to(d_live[None, :], (block_k, bd))
     else:
         mask = None
-    return _load(ref.at[slot, pl.ds(start, block_k), h, pl.ds(static_index(0), bd)], mask)
+    return _load(ref.at[line, pl.ds(row, block_k), h, pl.ds(static_index(0), bd)], mask)
+
+
+def _load_kv_block(k_ref, v_ref, lines, start, h, *, dtype, **kwargs):
+    """The K and V blocks of keys ``start..start+block_k`` (``lines``: :func:`_kv_lines`)
+    in ``dtype``; ``kwargs`` as :func:`_load_kv`'s."""
+    line, row = lines(start)
+    load = functools.partial(_load_kv, line=line, row=row, start=start, h=h, **kwargs)
+    return load(k_ref).astype(dtype), load(v_ref).astype(dtype)
 
 
 def _kv_step(
-    carry, q, k_ref, v_ref, *, slot, start, h, block_k, head_dim, kv_len, masked, visible, qk_scale
+    carry, q, k_ref, v_ref, *, lines, start, h, block_k, head_dim, kv_len, masked, visible, qk_scale
 ):
     """Loads one KV block (zeros past ``kv_len`` when ``masked``) in ``q``'s dtype and runs
     the online-softmax step on it; ``visible`` is the block's element mask or None."""
-    load = functools.partial(
-        _load_kv,
-        slot=slot,
-        start=start,
-        h=h,
+    k, v = _load_kv_block(
+        k_ref,
+        v_ref,
+        lines,
+        start,
+        h,
+        dtype=q.dtype,
         block_k=block_k,
         head_dim=head_dim,
         kv_len=kv_len,
         masked=masked,
     )
-    k = load(k_ref).astype(q.dtype)
-    v = load(v_ref).astype(q.dtype)
     return _softmax_step(carry, q, k, v, visible, qk_scale)
 
 
@@ -303,12 +355,13 @@ def _prefill_kernel(
     seq_end_ref,  # [B] int32: query_start_loc[b + 1] clipped to [0, T]
     seq_offset_ref,  # [B] int32: packed row r of sequence b sits at position r + offset
     seq_kv_len_ref,  # [B] int32: kv_lens clipped to [0, L]
-    seq_slot_ref,  # [B] int32: cache slot, -1 for padding sequences
+    seq_slot_ref,  # [B] int32: cache slot (paged: >= 0 live), -1 for padding sequences
+    table_ref,  # [B, W] int32: the KV addressing of each sequence (see _kv_lines)
     scale_ref,  # [1] fp32: sm_scale * log2(e)
     band_ref,  # [2] int32: (left, right) of the visible band of positions
     q_ref,  # [T, Hq, D]
-    k_ref,  # [S, L, Hkv, D]
-    v_ref,  # [S, L, Hkv, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
     o_ref,  # [T, Hq, D]
     lse_ref=None,  # [T, Hq] fp32 or None: each row's log2-sum-exp2 of its scaled logits
     *,
@@ -316,6 +369,7 @@ def _prefill_kernel(
     head_dim: int,
     block_q: int,
     block_k: int,
+    page_size: int | None,
     compute_dtype,
 ):
     # NOTE: the KV head is grid axis 0, the fastest-varying one in launch order, so every
@@ -370,6 +424,7 @@ def _prefill_kernel(
             pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
             pos = pos_first + jnp.arange(rows) // bg  # [rows]
             bounds = _query_block_ranges(pos_first, pos_last, kv_len, left, right, block_k)
+            lines = _kv_lines(table_ref, seq, page_size=page_size, num_lines=k_ref.shape[0])
 
             q = _load(
                 q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
@@ -390,7 +445,7 @@ def _prefill_kernel(
                     q,
                     k_ref,
                     v_ref,
-                    slot=slot,
+                    lines=lines,
                     start=start,
                     h=h,
                     block_k=block_k,
@@ -409,13 +464,25 @@ def _prefill_kernel(
             store(row0, row_live, out.reshape(block_q, bg, bd), lse.reshape(block_q, bg))
 
 
+def _kv_table(s: _AttentionShapes, slot_ids, block_table) -> tuple[jax.Array, jax.Array]:
+    """``(slot[R], table[R, W])`` int32 of table rows (sequences or tokens) with slot ids
+    ``slot_ids[R]`` and, paged, block table rows ``block_table[R, max_blocks]``: ``slot`` is
+    -1 for padding (contiguous: the checked slot; paged: any id >= 0 is live) and
+    ``table`` what :func:`_kv_lines` reads (contiguous: the slot column)."""
+    if block_table is None:
+        slot = checked_slots(slot_ids, s.num_slots)
+        return slot, slot[:, None]
+    slot = jnp.where(slot_ids >= 0, slot_ids, -1).astype(jnp.int32)
+    return slot, block_table.astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class _PrefillPlan:
     """The query-block kernels' schedule and per-sequence operands (the forward and both
     backward kernels walk the same table): ``prog_seq, prog_row[max_q_blocks]`` from
     ``prefill_table`` ordered by ``prefill_schedule``, and per sequence ``[B]`` int32 its
-    last row, position offset, clipped ``kv_len`` and checked slot; ``band`` the visible
-    band operand."""
+    last row, position offset, clipped ``kv_len`` and checked slot; ``table[B, W]`` the KV
+    addressing (:func:`_kv_lines`); ``band`` the visible band operand."""
 
     max_q_blocks: int
     prog_seq: jax.Array
@@ -424,11 +491,21 @@ class _PrefillPlan:
     seq_offset: jax.Array
     seq_kv_len: jax.Array
     seq_slot: jax.Array
+    table: jax.Array
     band: jax.Array
 
     @classmethod
     def of(
-        cls, s, b: BlockSizes, query_start_loc, kv_lens, slot_ids, *, causal, sliding_window
+        cls,
+        s,
+        b: BlockSizes,
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        block_table=None,
+        *,
+        causal,
+        sliding_window,
     ) -> _PrefillPlan:
         max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
         prog_seq, prog_row = prefill_table(
@@ -439,7 +516,7 @@ class _PrefillPlan:
         seq_end = jnp.clip(query_start_loc[1:], 0, s.num_tokens).astype(jnp.int32)
         seq_offset = (kv_lens - q_len - starts).astype(jnp.int32)
         seq_kv_len = jnp.clip(kv_lens, 0, s.cache_len).astype(jnp.int32)
-        seq_slot = checked_slots(slot_ids, s.num_slots)
+        seq_slot, table = _kv_table(s, slot_ids, block_table)
         band = band_operand(causal, sliding_window)
         prog_seq, prog_row = prefill_schedule(
             prog_seq,
@@ -453,7 +530,7 @@ class _PrefillPlan:
             block_k=b.block_k,
         )
         return cls(
-            max_q_blocks, prog_seq, prog_row, seq_end, seq_offset, seq_kv_len, seq_slot, band
+            max_q_blocks, prog_seq, prog_row, seq_end, seq_offset, seq_kv_len, seq_slot, table, band
         )
 
 
@@ -465,6 +542,7 @@ def prefill_attention(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool | jax.Array,
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
@@ -477,15 +555,23 @@ def prefill_attention(
     log2 units (what the backward kernels recompute the probabilities from; 0 for rows of
     padding sequences and past the sequences). ``causal``, ``sm_scale`` and
     ``sliding_window`` may be traced scalars."""
-    s = _AttentionShapes.of(q, k_cache, query_start_loc)
+    s = _AttentionShapes.of(q, k_cache, query_start_loc, block_table)
     b = block_sizes
     if b.block_q * s.block_group < MIN_DOT_DIM:
         raise ValueError(
             f"block_q={b.block_q} times the padded GQA group {s.block_group} must be >= "
             f"{MIN_DOT_DIM} (the smallest Triton dot dimension)"
         )
+    check_paged_block_sizes(b, s.page_size)
     plan = _PrefillPlan.of(
-        s, b, query_start_loc, kv_lens, slot_ids, causal=causal, sliding_window=sliding_window
+        s,
+        b,
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        block_table,
+        causal=causal,
+        sliding_window=sliding_window,
     )
     return pl.pallas_call(
         functools.partial(
@@ -494,6 +580,7 @@ def prefill_attention(
             head_dim=s.head_dim,
             block_q=b.block_q,
             block_k=b.block_k,
+            page_size=s.page_size,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         ),
         grid=(s.num_kv_heads, plan.max_q_blocks),
@@ -509,7 +596,7 @@ def prefill_attention(
         interpret=interpret,
         name=(
             f"attention_prefill_bq{b.block_q}_bk{b.block_k}_w{b.num_warps}_s{b.num_stages}"
-            f"_g{s.group}_d{s.head_dim}"
+            f"_g{s.group}_d{s.head_dim}{_paged_suffix(s)}"
         ),
     )(
         plan.prog_seq,
@@ -518,6 +605,7 @@ def prefill_attention(
         plan.seq_offset,
         plan.seq_kv_len,
         plan.seq_slot,
+        plan.table,
         scale_operand(sm_scale),
         plan.band,
         q,
@@ -595,11 +683,12 @@ def _dq_kernel(
     seq_offset_ref,  # [B] int32
     seq_kv_len_ref,  # [B] int32
     seq_slot_ref,  # [B] int32
+    table_ref,  # [B, W] int32
     scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
     band_ref,  # [2] int32
     q_ref,  # [T, Hq, D]
-    k_ref,  # [S, L, Hkv, D]
-    v_ref,  # [S, L, Hkv, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
     do_ref,  # [T, Hq, D]
     lse_ref,  # [T, Hq] fp32
     delta_ref,  # [T, Hq] fp32
@@ -609,6 +698,7 @@ def _dq_kernel(
     head_dim: int,
     block_q: int,
     block_k: int,
+    page_size: int | None,
     compute_dtype,
 ):
     h, p = pl.program_id(0), pl.program_id(1)
@@ -652,6 +742,7 @@ def _dq_kernel(
             pos_last = pos_first + jnp.minimum(block_q, row_end - row0) - 1
             pos = pos_first + jnp.arange(rows) // bg
             bounds = _query_block_ranges(pos_first, pos_last, kv_len, left, right, block_k)
+            lines = _kv_lines(table_ref, seq, page_size=page_size, num_lines=k_ref.shape[0])
             q, do, lse, delta = _bwd_tile_loads(
                 q_ref,
                 do_ref,
@@ -675,17 +766,18 @@ def _dq_kernel(
                 if masked:
                     visible &= keys[None, :] <= pos[:, None] + right
                     visible &= keys[None, :] > pos[:, None] - left
-                load = functools.partial(
-                    _load_kv,
-                    slot=slot,
-                    start=start,
-                    h=h,
+                k, v = _load_kv_block(
+                    k_ref,
+                    v_ref,
+                    lines,
+                    start,
+                    h,
+                    dtype=compute_dtype,
                     block_k=block_k,
                     head_dim=head_dim,
                     kv_len=kv_len,
                     masked=masked,
                 )
-                k, v = load(k_ref).astype(compute_dtype), load(v_ref).astype(compute_dtype)
                 _, ds = _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale)
                 return dq + dot(ds.astype(compute_dtype), k)
 
@@ -699,23 +791,25 @@ def _dkv_kernel(
     seq_offset_ref,  # [B] int32
     seq_kv_len_ref,  # [B] int32
     seq_slot_ref,  # [B] int32
+    table_ref,  # [B, W] int32
     scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
     band_ref,  # [2] int32
     q_ref,  # [T, Hq, D]
-    k_ref,  # [S, L, Hkv, D]
-    v_ref,  # [S, L, Hkv, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
     do_ref,  # [T, Hq, D]
     lse_ref,  # [T, Hq] fp32
     delta_ref,  # [T, Hq] fp32
-    dk_in_ref,  # [S, L, Hkv, D] zeros, aliased to dk_ref
-    dv_in_ref,  # [S, L, Hkv, D] zeros, aliased to dv_ref
-    dk_ref,  # [S, L, Hkv, D]
-    dv_ref,  # [S, L, Hkv, D]
+    dk_in_ref,  # [S, L, Hkv, D] zeros (paged: [B, L, Hkv, D]), aliased to dk_ref
+    dv_in_ref,  # like dk_in_ref, aliased to dv_ref
+    dk_ref,  # [S, L, Hkv, D] (paged: [B, L, Hkv, D], per sequence)
+    dv_ref,  # like dk_ref
     *,
     group: int,
     head_dim: int,
     block_q: int,
     block_k: int,
+    page_size: int | None,
     compute_dtype,
 ):
     del dk_in_ref, dv_in_ref  # the same buffers as dk_ref, dv_ref: lines not written stay 0
@@ -726,6 +820,10 @@ def _dkv_kernel(
     d_live = jnp.arange(bd) < head_dim
     slot, kv_len = seq_slot_ref[b], seq_kv_len_ref[b]
     start = j * block_k
+    # Paged, each sequence's gradient goes to its own line (the wrapper adds the lines into
+    # the pages: a shared page sums every sequence that read it, and no two programs ever
+    # write one place).
+    out_line = slot if page_size is None else b
 
     @pl.when((slot >= 0) & (start < kv_len))
     def _():
@@ -733,17 +831,19 @@ def _dkv_kernel(
         left, right = band_ref[0], band_ref[1]
         seq_start, seq_end, offset = seq_start_ref[b], seq_end_ref[b], seq_offset_ref[b]
         keys = start + jnp.arange(block_k)
-        load = functools.partial(
-            _load_kv,
-            slot=slot,
-            start=start,
-            h=h,
+        lines = _kv_lines(table_ref, b, page_size=page_size, num_lines=k_ref.shape[0])
+        k, v = _load_kv_block(
+            k_ref,
+            v_ref,
+            lines,
+            start,
+            h,
+            dtype=compute_dtype,
             block_k=block_k,
             head_dim=head_dim,
             kv_len=kv_len,
             masked=True,
         )
-        k, v = load(k_ref).astype(compute_dtype), load(v_ref).astype(compute_dtype)
         # Query rows whose band meets keys [start, start + block_k): positions
         # start - right <= pos <= start + block_k - 2 + left.
         row_lo = jnp.clip(start - right - offset, seq_start, seq_end)
@@ -782,7 +882,7 @@ def _dkv_kernel(
         num_q_blocks = jax.lax.div(row_hi - row_lo + block_q - 1, block_q)
         dk, dv = jax.lax.fori_loop(0, num_q_blocks, q_block, (zeros, zeros))
         mask = (keys < kv_len)[:, None] & d_live[None, :]
-        where = (slot, pl.ds(start, block_k), h, pl.ds(static_index(0), bd))
+        where = (out_line, pl.ds(start, block_k), h, pl.ds(static_index(0), bd))
         plgpu.store(dk_ref.at[where], (dk * sm_scale).astype(dk_ref.dtype), mask=mask)
         plgpu.store(dv_ref.at[where], dv.astype(dv_ref.dtype), mask=mask)
 
@@ -804,6 +904,7 @@ def attention_backward(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool | jax.Array,
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
@@ -813,12 +914,25 @@ def attention_backward(
     """Pallas backward kernels of :func:`prefill_attention` (``out`` and ``lse`` from its
     ``with_lse`` call, ``block_sizes`` from :func:`_grad_block_sizes`): ``dout[T, Hq, D]``
     -> ``(dq[T, Hq, D], dk_cache[S, L, Hkv, D], dv_cache[S, L, Hkv, D])``. Cache lines the
-    forward did not read (other slots, positions at or past ``kv_len``) get 0."""
-    s = _AttentionShapes.of(q, k_cache, query_start_loc)
+    forward did not read (other slots, positions at or past ``kv_len``) get 0.
+
+    Paged: the dk/dv kernel writes each sequence's gradient to its own line of a
+    ``[B, max_blocks * page_size, Hkv, D]`` buffer, and a scatter-add puts the lines'
+    pages into ``[num_blocks, page_size, Hkv, D]`` gradients (a page shared by several
+    sequences sums them; pages no sequence reads get 0)."""
+    s = _AttentionShapes.of(q, k_cache, query_start_loc, block_table)
     b = block_sizes
+    check_paged_block_sizes(b, s.page_size)
     with pallas_dtypes():
         plan = _PrefillPlan.of(
-            s, b, query_start_loc, kv_lens, slot_ids, causal=causal, sliding_window=sliding_window
+            s,
+            b,
+            query_start_loc,
+            kv_lens,
+            slot_ids,
+            block_table,
+            causal=causal,
+            sliding_window=sliding_window,
         )
         seq_start = jnp.clip(query_start_loc[:-1], 0, s.num_tokens).astype(jnp.int32)
         scales = jnp.concatenate(
@@ -832,10 +946,11 @@ def attention_backward(
             head_dim=s.head_dim,
             block_q=b.block_q,
             block_k=b.block_k,
+            page_size=s.page_size,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         )
         params = compiler_params(num_warps=b.num_warps, num_stages=b.num_stages)
-        suffix = f"bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}"
+        suffix = f"bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}{_paged_suffix(s)}"
         dq = pl.pallas_call(
             functools.partial(_dq_kernel, **static),
             grid=(s.num_kv_heads, plan.max_q_blocks),
@@ -850,6 +965,7 @@ def attention_backward(
             plan.seq_offset,
             plan.seq_kv_len,
             plan.seq_slot,
+            plan.table,
             scales,
             plan.band,
             q,
@@ -865,6 +981,7 @@ def attention_backward(
             plan.seq_offset,
             plan.seq_kv_len,
             plan.seq_slot,
+            plan.table,
             scales,
             plan.band,
             q,
@@ -874,19 +991,43 @@ def attention_backward(
             lse,
             delta,
         )
+        grad_shape = k_cache.shape
+        if s.page_size is not None:  # per-sequence lines
+            grad_shape = (s.num_seqs, s.cache_len, *k_cache.shape[2:])
         dk, dv = pl.pallas_call(
             functools.partial(_dkv_kernel, **static),
             grid=(s.num_kv_heads, s.num_seqs, pl.cdiv(s.cache_len, b.block_k)),
             out_shape=(
-                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+                jax.ShapeDtypeStruct(grad_shape, k_cache.dtype),
+                jax.ShapeDtypeStruct(grad_shape, v_cache.dtype),
             ),
             input_output_aliases={len(dkv_args): 0, len(dkv_args) + 1: 1},
             compiler_params=params,
             interpret=interpret,
             name=f"attention_bwd_dkv_{suffix}",
-        )(*dkv_args, jnp.zeros_like(k_cache), jnp.zeros_like(v_cache))
+        )(
+            *dkv_args,
+            jnp.zeros(grad_shape, k_cache.dtype),
+            jnp.zeros(grad_shape, v_cache.dtype),
+        )
+        if s.page_size is not None:
+            dk, dv = (_lines_to_pages(g, s, plan) for g in (dk, dv))
     return dq, dk, dv
+
+
+def _lines_to_pages(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) -> jax.Array:
+    """Per-sequence gradient lines ``[B, max_blocks * page_size, Hkv, D]`` added into the
+    pages their sequence read, ``[num_blocks, page_size, Hkv, D]`` (the forward's clamped
+    page ids; entries a sequence does not need are dropped)."""
+    max_blocks = plan.table.shape[1]
+    pages = grad.reshape(s.num_seqs, max_blocks, s.page_size, *grad.shape[2:])
+    num_pages = (plan.seq_kv_len + s.page_size - 1) // s.page_size
+    needed = jnp.arange(max_blocks)[None, :] < num_pages[:, None]
+    needed &= (plan.seq_slot >= 0)[:, None]
+    index = jnp.where(needed, jnp.clip(plan.table, 0, s.num_slots - 1), s.num_slots)
+    out = jnp.zeros((s.num_slots, *pages.shape[2:]), jnp.float32)
+    out = out.at[index].add(pages.astype(jnp.float32), mode="drop")
+    return out.astype(grad.dtype)
 
 
 @functools.cache
@@ -951,6 +1092,7 @@ def differentiable_attention(
     query_start_loc,
     kv_lens,
     slot_ids,
+    block_table=None,
     causal,
     sm_scale,
     sliding_window,
@@ -962,7 +1104,12 @@ def differentiable_attention(
     """Attention differentiable through this module's Pallas backward kernels
     (:func:`attention_backward`); ``primal``/``primal_config``: another backend's forward
     kernel and its config, run when not differentiating (the Mosaic backend's use)."""
-    batch = dict(query_start_loc=query_start_loc, kv_lens=kv_lens, slot_ids=slot_ids)
+    batch = dict(
+        query_start_loc=query_start_loc,
+        kv_lens=kv_lens,
+        slot_ids=slot_ids,
+        block_table=block_table,
+    )
     mask = dict(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window)
     attention = _differentiable(block_sizes, interpret, primal, primal_config)
     return attention(q, k_cache, v_cache, batch, mask)
@@ -972,13 +1119,14 @@ def differentiable_attention(
 
 
 def _decode_kernel(
-    tok_slot_ref,  # [T] int32: the token's cache slot, -1 for dead tokens
+    tok_slot_ref,  # [T] int32: the token's cache slot (paged: >= 0), -1 for dead tokens
     tok_lo_ref,  # [T] int32: first visible key
     tok_hi_ref,  # [T] int32: one past the last visible key
+    tok_table_ref,  # [T, W] int32: the KV addressing of the token's sequence (_kv_lines)
     scale_ref,  # [1] fp32: sm_scale * log2(e)
     q_ref,  # [T, Hq, D]
-    k_ref,  # [S, L, Hkv, D]
-    v_ref,  # [S, L, Hkv, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
     m_ref,  # [T, Hkv, num_splits, rows] fp32: partial row max (log2 units)
     l_ref,  # [T, Hkv, num_splits, rows] fp32: partial row sum
     acc_ref,  # [T, Hkv, num_splits, rows, bd] fp32: partial unnormalised output
@@ -987,6 +1135,7 @@ def _decode_kernel(
     head_dim: int,
     split_k: int,
     block_k: int,
+    page_size: int | None,
     compute_dtype,
 ):
     # NOTE: the KV head is the fastest grid axis: the Hkv programs of one token and split
@@ -1010,6 +1159,7 @@ def _decode_kernel(
             q_ref.at[t, pl.ds(h * group, rows), pl.ds(static_index(0), bd)],
             g_live[:, None] & d_live[None, :],
         ).astype(compute_dtype)
+        lines = _kv_lines(tok_table_ref, t, page_size=page_size, num_lines=k_ref.shape[0])
 
         def kv_block(j, carry, *, masked):
             start = j * block_k
@@ -1022,7 +1172,7 @@ def _decode_kernel(
                 q,
                 k_ref,
                 v_ref,
-                slot=slot,
+                lines=lines,
                 start=start,
                 h=h,
                 block_k=block_k,
@@ -1118,6 +1268,7 @@ def decode_attention(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool | jax.Array,
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
@@ -1127,8 +1278,9 @@ def decode_attention(
     """The split-KV (flash-decoding) kernels, one program per token × KV head × split;
     correct for any layout, fast when every sequence has one token. ``out[T, Hq, D]``.
     ``causal``, ``sm_scale`` and ``sliding_window`` may be traced scalars."""
-    s = _AttentionShapes.of(q, k_cache, query_start_loc)
+    s = _AttentionShapes.of(q, k_cache, query_start_loc, block_table)
     b = block_sizes
+    check_paged_block_sizes(b, s.page_size)
     split_k = min(b.split_k, max(block_dim(s.cache_len), b.decode_block_k))
     num_splits = pl.cdiv(s.cache_len, split_k)
     layout = token_layout(s.num_tokens, query_start_loc, kv_lens, slot_ids)
@@ -1136,7 +1288,10 @@ def decode_attention(
     left, right = band_operand(causal, sliding_window)
     hi = jnp.clip(layout.position + right + 1, 0, kv_len)
     lo = jnp.maximum(layout.position - left + 1, 0)
-    tok_slot = jnp.where(layout.live, checked_slots(layout.slot, s.num_slots), -1)
+    tok_slot, tok_table = _kv_table(
+        s, layout.slot, None if block_table is None else block_table[layout.seq]
+    )
+    tok_slot = jnp.where(layout.live, tok_slot, -1)
     tokens = (tok_slot, lo.astype(jnp.int32), hi.astype(jnp.int32))
     f32 = jnp.float32
     # Partials keep the decode Q tile's padded rows (only the group's rows are written).
@@ -1149,6 +1304,7 @@ def decode_attention(
             head_dim=s.head_dim,
             split_k=split_k,
             block_k=b.decode_block_k,
+            page_size=s.page_size,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         ),
         grid=(s.num_kv_heads, s.num_tokens, num_splits),
@@ -1163,9 +1319,9 @@ def decode_attention(
         interpret=interpret,
         name=(
             f"attention_decode_split{split_k}_bk{b.decode_block_k}_w{b.decode_num_warps}"
-            f"_s{b.decode_num_stages}_g{s.group}_d{s.head_dim}"
+            f"_s{b.decode_num_stages}_g{s.group}_d{s.head_dim}{_paged_suffix(s)}"
         ),
-    )(*tokens, scale_operand(sm_scale), q, k_cache, v_cache)
+    )(*tokens, tok_table, scale_operand(sm_scale), q, k_cache, v_cache)
     block_splits = min(
         block_dim(num_splits), max(1, _COMBINE_TILE_ELEMS // (s.block_group * s.block_d))
     )
@@ -1190,6 +1346,38 @@ def decode_attention(
 # ---------------------------------------------------------------------------- dispatch
 
 
+def supports(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, block_table=None, **_
+) -> str | None:
+    """Why these kernels cannot take the call (None: they can): a paged cache's page must
+    hold a whole number of the smallest KV blocks (16 keys)."""
+    del q, v_cache
+    if block_table is not None and k_cache.shape[1] % MIN_DOT_DIM:
+        return (
+            f"block_size={k_cache.shape[1]} is not a multiple of {MIN_DOT_DIM}: a KV block "
+            "of the Triton kernels must lie in one page"
+        )
+    return None
+
+
+def check_paged_block_sizes(block_sizes: BlockSizes, page_size: int | None) -> None:
+    """Paged caches: every KV block (``block_k``, ``decode_block_k``) lies in one page, so
+    both must divide ``page_size``."""
+    if page_size is None:
+        return
+    for name in ("block_k", "decode_block_k"):
+        value = getattr(block_sizes, name)
+        if page_size % value:
+            raise ValueError(
+                f"config.{name}={value} must divide the paged cache's block_size={page_size}"
+            )
+
+
+def _paged_suffix(s: _AttentionShapes) -> str:
+    """Kernel name suffix of paged calls (profiles tell the layouts apart)."""
+    return "" if s.page_size is None else f"_paged{s.page_size}"
+
+
 def masked_tail_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -1198,6 +1386,7 @@ def masked_tail_attention(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     causal: bool,
     sm_scale: float,
     sliding_window: int | None,
@@ -1207,7 +1396,8 @@ def masked_tail_attention(
     """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated.
 
     Decode-shaped batches (``T <= B``) take the split-KV kernels, others the query-block
-    kernel. ``causal``, ``sm_scale`` and ``sliding_window`` reach the compiled program as
+    kernel. Paged caches (``block_table``) are read through the table, one page lookup per
+    KV block. ``causal``, ``sm_scale`` and ``sliding_window`` reach the compiled program as
     data (:func:`~pallas_kernels.attention._layout.jit_attention`): changing them does not
     recompile.
     """
@@ -1219,6 +1409,7 @@ def masked_tail_attention(
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
         slot_ids=slot_ids,
+        block_table=block_table,
         causal=causal,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
@@ -1238,8 +1429,8 @@ def _prefill_or_decode(q, k_cache, v_cache, *, query_start_loc, **kwargs) -> jax
 
 
 def _write_kv_kernel(
-    tok_slot_ref,  # [T] int32: destination slot, -1 for tokens that write nothing
-    tok_pos_ref,  # [T] int32: destination position in [0, L)
+    tok_slot_ref,  # [T] int32: destination slot (or page), -1 for tokens that write nothing
+    tok_pos_ref,  # [T] int32: destination row in [0, L) (or in the page)
     k_ref,  # [T, Hkv, D]
     v_ref,  # [T, Hkv, D]
     k_in_ref,  # [S, L, Hkv, D], aliased to k_cache_ref
@@ -1275,16 +1466,25 @@ def write_kv(
     query_start_loc: jax.Array,
     kv_lens: jax.Array,
     slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.write_kv`; arguments are already validated. One program
-    per token copies its ``[Hkv, D]`` keys and values; the caches are updated in place."""
-    num_slots, cache_len, num_kv_heads, head_dim = k_cache.shape
+    per token copies its ``[Hkv, D]`` keys and values to its slot's (or page's) row; the
+    caches are updated in place. Differentiable in the caches, k and v (a training forward
+    writes its keys before attending over them): see :func:`_differentiable_write_kv`."""
+    write = _differentiable_write_kv(k.shape, jnp.dtype(k.dtype), interpret)
+    return write(k_cache, v_cache, k, v, query_start_loc, kv_lens, slot_ids, block_table)
+
+
+def _write_kv_call(
+    k_cache, v_cache, k, v, query_start_loc, kv_lens, slot_ids, block_table, interpret
+):
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_tokens = k.shape[0]
-    layout = token_layout(num_tokens, query_start_loc, kv_lens, slot_ids)
-    in_range = layout.live & (layout.position >= 0) & (layout.position < cache_len)
-    tok_slot = jnp.where(in_range, checked_slots(layout.slot, num_slots), -1)
-    tok_pos = jnp.where(in_range, layout.position, 0).astype(jnp.int32)
+    tok_slot, tok_pos = kv_destination(
+        num_tokens, k_cache.shape, query_start_loc, kv_lens, slot_ids, block_table
+    )
     row = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
     # One 16-byte access per thread per row at 4 warps (512 threads × 8 bf16 = 4096).
     num_warps = max(1, min(4, row // 256))
@@ -1300,6 +1500,36 @@ def write_kv(
         interpret=interpret,
         name=f"write_kv_h{num_kv_heads}_d{head_dim}",
     )(tok_slot, tok_pos, k, v, k_cache, v_cache)
+
+
+@functools.cache
+def _differentiable_write_kv(token_shape: tuple[int, ...], dtype: jnp.dtype, interpret: bool):
+    """The write kernel with its backward, for tokens ``[T, Hkv, D]`` of one dtype: the
+    transpose of the scatter. Each written row's cotangent goes to its token (a token that
+    writes nothing gets 0), and the caches' cotangents pass through with the overwritten
+    rows zeroed, by the write kernel itself writing zeros there."""
+
+    @jax.custom_vjp
+    def write(k_cache, v_cache, k, v, query_start_loc, kv_lens, slot_ids, block_table):
+        index = (query_start_loc, kv_lens, slot_ids, block_table)
+        return _write_kv_call(k_cache, v_cache, k, v, *index, interpret)
+
+    def forward(k_cache, v_cache, k, v, *index):
+        return write(k_cache, v_cache, k, v, *index), index
+
+    def backward(index, cotangents):
+        dk_cache, dv_cache = cotangents
+        line, row = kv_destination(token_shape[0], dk_cache.shape, *index)
+        written = (line >= 0)[:, None, None]
+        safe_line = jnp.maximum(line, 0)
+        dk = jnp.where(written, dk_cache[safe_line, row], 0).astype(dtype)
+        dv = jnp.where(written, dv_cache[safe_line, row], 0).astype(dtype)
+        zeros = jnp.zeros(token_shape, dtype)
+        dk_cache, dv_cache = _write_kv_call(dk_cache, dv_cache, zeros, zeros, *index, interpret)
+        return dk_cache, dv_cache, dk, dv, None, None, None, None
+
+    write.defvjp(forward, backward)
+    return write
 
 
 # ---------------------------------------------------------------------------- heuristics
@@ -1328,8 +1558,10 @@ def default_block_sizes(
     cache_len: int,
     dtype,
     num_sms: int | None = None,
+    page_size: int | None = None,
 ) -> BlockSizes:
-    """Heuristic tiling from the shapes, dtype and device.
+    """Heuristic tiling from the shapes, dtype and device (``cache_len``: paged, the
+    longest context ``max_blocks * page_size``).
 
     Prefill (FlashAttention-2 style tiles; the Triton FlashAttention kernels on Hopper use
     BLOCK_M = 128, BLOCK_N = 64, 8 warps, 3 stages at D = 128):
@@ -1350,6 +1582,8 @@ def default_block_sizes(
         epilogue overlap the other's loads.
       * ``split_k``: the largest power of two <= 1024 keys that still gives
         >= 4 programs per SM when every cache line is full, and never below the loop step.
+    Paged (``page_size``): the KV blocks are at most the largest power of two dividing the
+    page, so none spans two pages.
     """
     itemsize = jnp.dtype(dtype).itemsize
     bd = block_dim(head_dim, MIN_DOT_DIM)
@@ -1364,6 +1598,9 @@ def default_block_sizes(
     num_warps = 8 if block_q * bg * bd > 8192 else 4
 
     decode_block_k = min(max(_KV_TILE_BYTES // (bd * itemsize), MIN_DOT_DIM), 64, bl)
+    if page_size is not None:
+        page_block = page_size & -page_size  # largest power-of-two divisor
+        block_k, decode_block_k = min(block_k, page_block), min(decode_block_k, page_block)
     target_programs = 4 * (num_sms or device_num_sms())
     split_k = max(min(1024, bl), decode_block_k)
     while (
