@@ -13,7 +13,8 @@ into that form (research and tests).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,12 @@ from pallas_kernels.backend import BACKEND_NAMES, IMPLEMENTATIONS
 # "mosaic" asks each op for Mosaic where it has it and Triton elsewhere. "xla", "triton"
 # and "auto" exist for every op and pass through.
 _FAMILY_BACKENDS: dict[str, str | tuple[str, ...]] = {"mosaic": ("mosaic", "triton")}
+
+# Activation rematerialisation of each block under differentiation: None keeps every
+# activation for the backward pass; "block" keeps only each block's input and recomputes
+# the block's forward in the backward pass; a ``jax.checkpoint_policies`` policy (e.g.
+# ``dots_with_no_batch_dims_saveable``) keeps what it names and recomputes the rest.
+RematPolicy = Literal["block"] | Callable[..., bool] | None
 
 
 def layer_implementation(implementation: str | Sequence[str]) -> str | tuple[str, ...]:
@@ -108,6 +115,10 @@ class HybridLM(nnx.Module):
         (Mosaic kernels where an op has them, Triton elsewhere), or a sequence of backend
         names; see :func:`layer_implementation`.
       rngs: parameter initialisation.
+      remat: activation rematerialisation of each block when differentiated (training),
+        :data:`RematPolicy`: None, "block" (recompute the whole block in the backward pass)
+        or a ``jax.checkpoint_policies`` policy. Forward outputs are the same whatever it
+        is; the serving path never differentiates, so it is unaffected.
       mesh: a ``jax.sharding.Mesh`` with an axis ``"tp"``: the parameters are created
         straight into their shards over it (Mamba2 heads, attention heads, MLP and expert
         widths; ``flax_models.sharding``) and the forward runs tensor-parallel with the
@@ -121,14 +132,17 @@ class HybridLM(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         implementation: str | Sequence[str] = "auto",
         rngs: nnx.Rngs,
+        remat: RematPolicy = None,
         mesh: Mesh | None = None,
         _unplaced: bool = False,
     ):
+        if not (remat is None or remat == "block" or callable(remat)):
+            raise ValueError(f"{remat=} must be None, 'block' or a jax.checkpoint_policies policy")
         if mesh is not None and not _unplaced:
             # Built inside one jitted program whose outputs are the parameters' shards:
             # no device ever holds the whole model.
             check_tp(cfg, tp_size(mesh))
-            model = _create_sharded(cfg, dtype, implementation, rngs, mesh)
+            model = _create_sharded(cfg, dtype, implementation, rngs, mesh, remat)
             for name, value in vars(model).items():
                 if not name.startswith("_"):
                     setattr(self, name, value)
@@ -136,6 +150,7 @@ class HybridLM(nnx.Module):
         self.cfg = cfg
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
+        self.remat = remat
         layer_impl = layer_implementation(implementation)
         self.implementation = implementation if isinstance(implementation, str) else layer_impl
         self.embed = nnx.Embed(
@@ -174,9 +189,12 @@ class HybridLM(nnx.Module):
         serving): an id past the table gives NaN rows, a negative one wraps around.
         """
         h = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
+        block = Block.__call__
+        if self.remat is not None:  # "block": jax.checkpoint's default, save nothing inside
+            block = nnx.remat(block, policy=None if self.remat == "block" else self.remat)
         new_caches = []
         for layer, cache in zip(self.layers, caches, strict=True):
-            h, cache = layer(h, batch, cache)
+            h, cache = block(layer, h, batch, cache)
             new_caches.append(cache)
         if logits_rows is not None:
             h = h[logits_rows]
@@ -240,6 +258,7 @@ def _create_sharded(
     implementation: str | Sequence[str],
     rngs: nnx.Rngs,
     mesh: Mesh,
+    remat: RematPolicy,
 ) -> HybridLM:
     """``HybridLM(cfg, mesh=mesh)`` initialised in one jitted program: the single-device
     initial values (same draws), moved to the tp-major layouts, constrained to their
@@ -249,7 +268,13 @@ def _create_sharded(
     @nnx.jit
     def create(rngs: nnx.Rngs) -> HybridLM:
         model = HybridLM(
-            cfg, dtype=dtype, implementation=implementation, rngs=rngs, mesh=mesh, _unplaced=True
+            cfg,
+            dtype=dtype,
+            implementation=implementation,
+            rngs=rngs,
+            remat=remat,
+            mesh=mesh,
+            _unplaced=True,
         )
         graphdef, state = nnx.split(model)
         state = nnx.from_flat_state(

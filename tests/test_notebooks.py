@@ -55,6 +55,7 @@ def test_the_notebooks_are_there():
         "01_kernels.ipynb",
         "02_hybrid_model.ipynb",
         "03_benchmarks.ipynb",
+        "04_finetune.ipynb",
     ]
 
 

@@ -1,0 +1,474 @@
+"""Training benchmarks: kernels forward + backward, and a train step of a 1.3B hybrid.
+
+``python -m benchmarks.train [--out results.json] [--quick] [--only ssd,attention,train]``;
+sections (``--only`` takes names separated by commas or spaces; default all):
+
+* ``ssd``: ``ssd_scan`` forward + backward (``jax.vjp`` with a random bf16 cotangent of y:
+  gradients of x, dt, A, B, C, D and dt_bias) on mamba-ssm's training problem, 8 × 4096
+  tokens (eight sequences packed), H 128, P 64, N 128, bf16, ``dt_softplus``: G 1 with
+  chunks of 256 and G 8 with chunks of 128. Rows ``auto``, each other Pallas backend that
+  serves the call, ``xla``.
+* ``attention``: ``masked_tail_attention`` causal prefill forward + backward (gradients of
+  q, k_cache and v_cache), Hq 32, Hkv 8, D 128 (``benchmarks/attention.py``'s main problem),
+  bf16, on 4 × 4096 (the shape of the cuDNN figure in shared/ANCHORS.md) and 8 × 4096
+  tokens; rows ``auto``, the other Pallas backends, ``xla`` and cuDNN
+  (``jax.nn.dot_product_attention(implementation="cudnn")`` on the dense ``[B, L, H, D]``
+  layout, causal; a note instead of a row where cuDNN cannot run).
+* ``train``: one optimizer step (forward, backward, AdamW update; ``flax_models.training``)
+  of a 1.3B-parameter Bamba-style model (:func:`bamba_1b`), 8 × 4096 tokens, bf16
+  parameters and compute (AdamW's state fp32), ``remat="block"`` (``--remat``); ``auto`` and
+  ``xla`` on the same initial weights. Rows carry tokens/s and the model FLOPs
+  utilisation against both the bf16 matmul rate measured in this run and the H200's
+  nominal dense bf16 peak (:data:`NOMINAL_BF16_TFLOPS`), the first step's time (compile
+  included) and the process's peak device memory so far (``--only train`` for the step's
+  own).
+
+FLOPs count the model's own work, not recomputation: forward + backward is 3 × the forward
+work for the SSD scan (``benchmarks/ssd.py``'s count; the backward does about twice the
+forward's products) and 3.5 × for attention (FlashAttention-2's count: QKᵀ and PV forward, five
+products backward). A train step counts ``6 · N · tokens`` (N: the parameters that multiply
+activations, i.e. all but the input embedding table, a gather) plus the attention layers'
+``12 · D · Hq · (causal pairs)``; the SSD scan's own sequence mixing is reported beside it
+(``ssd_flops``) but, as usual for MFU, not counted. The JSON is rewritten after every row,
+so a run cut short keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import gc
+import io
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import harness
+from benchmarks import ssd as ssd_benchmark
+from flax_models.config import HybridConfig
+from flax_models.model import HybridLM
+from flax_models.training import make_optimizer, train_step
+from pallas_kernels import masked_tail_attention, ssd_scan
+from pallas_kernels.attention import api as attention_api
+from pallas_kernels.backend import backend_for, on_gpu
+from pallas_kernels.ssd import api as ssd_api
+
+SECTIONS: Final = ("ssd", "attention", "train")
+# NVIDIA H200 SXM datasheet: 989 TFLOP/s dense bf16 tensor-core peak (1979 with sparsity).
+NOMINAL_BF16_TFLOPS: Final = 989.0
+TITLE: Final = "training: kernels forward + backward, train step"
+# --remat: the train step's HybridLM(remat=). "dots" keeps the matmul outputs (about 1.4 GB
+# a layer here) and recomputes the rest; "none" keeps every activation.
+REMAT: Final = {
+    "block": "block",
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the JSON here (after every row)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="SECTION",
+        help=f"sections to run, of {', '.join(SECTIONS)} (commas or spaces)",
+    )
+    parser.add_argument(
+        "--remat",
+        choices=sorted(REMAT),
+        default="block",
+        help="the train step's rematerialisation (HybridLM(remat=)); default block",
+    )
+    args = parser.parse_args(argv)
+    if args.only is not None:
+        args.only = [name for item in args.only for name in item.split(",") if name]
+        unknown = sorted(set(args.only) - set(SECTIONS))
+        if unknown or not args.only:
+            parser.error(f"--only: expected sections of {SECTIONS}, got {args.only}")
+    return args
+
+
+@dataclasses.dataclass
+class Results:
+    """The rows so far; every :meth:`add` rewrites the JSON (``harness.report``'s format)."""
+
+    ceilings: harness.Ceilings
+    out: str | None
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        harness.add_speedups(self.rows)
+        extra = f", {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else ""
+        print(f"{row['problem']} {row['implementation']}: {row['median_ms']:.3f} ms{extra}")
+        if self.out is not None:  # harness.report writes the JSON; its table is for the end
+            with contextlib.redirect_stdout(io.StringIO()):
+                harness.report(TITLE, self.rows, self.ceilings, self.out)
+
+
+def _kernel_implementations(op: Any, call: Callable[[str], Any]) -> list[str]:
+    """``auto``, then every other non-xla backend this machine runs that serves the call
+    (not the one ``auto`` picks: that row would be a copy), then ``xla``."""
+    auto = backend_for(call, implementation="auto")
+    others = [
+        name for name in harness.runnable(op) if name not in ("xla", auto) and _serves(call, name)
+    ]
+    return ["auto", *others, "xla"]
+
+
+def _serves(call: Callable[..., Any], name: str) -> bool:
+    try:
+        backend_for(call, implementation=name)
+    except ValueError as error:
+        print(f"note: no {name} row ({error})")
+        return False
+    return True
+
+
+def _time_or_note(label: str, fn: Callable[[], Any], **kwargs: Any) -> harness.Timing | None:
+    """Times ``fn`` like every benchmark does; a failure (no backward pass yet, out of
+    memory, cuDNN refusing the shapes) is printed and gives None, so the run goes on."""
+    try:
+        return harness.time_fn(fn, **kwargs)
+    except Exception as error:  # noqa: BLE001 — any failure of one row is reported, not fatal
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        print(f"note: no {label} row ({type(error).__name__}: {reason})", flush=True)
+        return None
+
+
+# ------------------------------------------------------------------------------ ssd_scan
+
+
+def ssd_problems(quick: bool) -> list[ssd_benchmark.PrefillProblem]:
+    if quick:
+        small = dict(heads=4, head_dim=8, state_dim=8, chunk_size=16)
+        return [
+            ssd_benchmark.PrefillProblem("ssd-tiny-g1", (64, 40), **small),
+            ssd_benchmark.PrefillProblem("ssd-tiny-g2", (64, 40), groups=2, **small),
+        ]
+    uniform = (4096,) * 8
+    return [
+        ssd_benchmark.PrefillProblem("ssd-g1-chunk256", uniform),
+        ssd_benchmark.PrefillProblem("ssd-g8-chunk128", uniform, groups=8, chunk_size=128),
+    ]
+
+
+def bench_ssd(p: ssd_benchmark.PrefillProblem, results: Results) -> None:
+    inputs = ssd_benchmark.prefill_inputs(p)
+    md = inputs["metadata"]
+    n = int(md.num_chunks)
+    flops, bytes_moved = ssd_benchmark.prefill_cost(p, np.asarray(md.cu_chunk_seqlens)[: n + 1])
+    # The backward reads the inputs and dy and writes a gradient per input: about the
+    # forward's traffic again.
+    flops, bytes_moved = 3 * flops, 2 * bytes_moved
+    float_args = {k: inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}
+    dy = jax.random.normal(jax.random.key(3), inputs["x"].shape, jnp.bfloat16)
+    args = tuple(float_args.values())
+
+    def scan(implementation, x, dt, A, B, C, D, dt_bias):
+        y, _ = ssd_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            metadata=md,
+            chunk_size=p.chunk_size,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            implementation=implementation,
+        )
+        return y
+
+    def call(implementation):
+        return scan(implementation, *args)
+
+    for impl in _kernel_implementations(ssd_api.SSD_SCAN, call):
+        forward = functools.partial(scan, impl)
+        fwd_bwd = jax.jit(lambda args, dy, f=forward: jax.vjp(f, *args)[1](dy))
+        timing = _time_or_note(f"{p.name} {impl}", lambda f=fwd_bwd: f(args, dy))
+        if timing is None:
+            continue
+        results.add(
+            harness.row(
+                p.name,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=results.ceilings,
+                op="ssd_scan forward + backward",
+                backend=backend_for(call, implementation=impl),
+                tokens=sum(p.lengths),
+                groups=p.groups,
+                chunk_size=p.chunk_size,
+            )
+        )
+
+
+# ------------------------------------------------------------------- masked_tail_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionProblem:
+    name: str
+    num_seqs: int
+    seq_len: int
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def pairs(self) -> int:
+        """Causal (query, key) pairs."""
+        return self.num_seqs * self.seq_len * (self.seq_len + 1) // 2
+
+
+def attention_problems(quick: bool) -> list[AttentionProblem]:
+    if quick:
+        return [AttentionProblem("attention-tiny", 2, 32, 4, 2, 16)]
+    return [
+        AttentionProblem("attention-4x4096", 4, 4096),
+        AttentionProblem("attention-8x4096", 8, 4096),
+    ]
+
+
+def bench_attention(p: AttentionProblem, results: Results) -> None:
+    B, L, Hq, Hkv, D = p.num_seqs, p.seq_len, p.num_q_heads, p.num_kv_heads, p.head_dim
+    keys = iter(jax.random.split(jax.random.key(4), 4))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape, jnp.bfloat16)
+
+    q, do = normal(B * L, Hq, D), normal(B * L, Hq, D)
+    # Slot b holds sequence b, so the caches are also cuDNN's dense [B, L, Hkv, D] keys.
+    k_cache, v_cache = normal(B, L, Hkv, D), normal(B, L, Hkv, D)
+    qsl = jnp.arange(B + 1, dtype=jnp.int32) * L
+    kv_lens = jnp.full((B,), L, jnp.int32)
+    slots = jnp.arange(B, dtype=jnp.int32)
+    bf16 = 2
+    # Forward 4 D Hq pairs; backward 2.5 × that (FlashAttention-2's count).
+    flops = 3.5 * 4.0 * D * Hq * p.pairs
+    # Forward: q, k, v read, out written; backward: q, k, v, out, dout read, dq, dk, dv
+    # written.
+    qo, kv = B * L * Hq * D * bf16, B * L * Hkv * D * bf16
+    bytes_moved = float((2 * qo + 2 * kv) + (4 * qo + 4 * kv))
+    extra = dict(op="masked_tail_attention forward + backward", tokens=B * L, pairs=p.pairs)
+
+    def attend(implementation, q, k, v):
+        return masked_tail_attention(
+            q,
+            k,
+            v,
+            query_start_loc=qsl,
+            kv_lens=kv_lens,
+            slot_ids=slots,
+            causal=True,
+            implementation=implementation,
+        )
+
+    def call(implementation):
+        return attend(implementation, q, k_cache, v_cache)
+
+    def add(impl, forward, *args, **row_extra):
+        fwd_bwd = jax.jit(lambda args, do: jax.vjp(forward, *args)[1](do))
+        timing = _time_or_note(f"{p.name} {impl}", lambda: fwd_bwd(args, do_for(impl)))
+        if timing is not None:
+            results.add(
+                harness.row(
+                    p.name,
+                    impl,
+                    timing,
+                    flops=flops,
+                    bytes_moved=bytes_moved,
+                    ceilings=results.ceilings,
+                    **extra,
+                    **row_extra,
+                )
+            )
+
+    def do_for(impl):
+        return do.reshape(B, L, Hq, D) if impl == "cudnn" else do
+
+    for impl in _kernel_implementations(attention_api.MASKED_TAIL_ATTENTION, call):
+        backend = backend_for(call, implementation=impl)
+        add(impl, functools.partial(attend, impl), q, k_cache, v_cache, backend=backend)
+    if not on_gpu():
+        print(f"note: {p.name}: no cudnn row (needs a CUDA GPU)")
+        return
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    add("cudnn", cudnn, q.reshape(B, L, Hq, D), k_cache, v_cache)
+
+
+# ---------------------------------------------------------------------------- train step
+
+
+def bamba_1b(**overrides: Any) -> HybridConfig:
+    """A 1.3B-parameter Bamba-style hybrid: hidden 2048, 24 layers (attention at 6, 12 and
+    18, Mamba2 elsewhere, each followed by a SwiGLU MLP of 4096), Mamba2 with Bamba-9B's
+    heads of 64 and state of 128 (64 heads, one group, chunks of 256), attention with 16
+    query and 4 KV heads of 128, a 32k vocabulary."""
+    fields = dict(
+        family="bamba",
+        vocab_size=32768,
+        hidden_size=2048,
+        layer_pattern="".join("*" if i in (6, 12, 18) else "M" for i in range(24)),
+        mlp_per_layer=True,
+        mamba_num_heads=64,
+        mamba_head_dim=64,
+        mamba_state_size=128,
+        mamba_groups=1,
+        mamba_chunk_size=256,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        intermediate_size=4096,
+    )
+    return HybridConfig(**(fields | overrides))
+
+
+def train_flops(cfg: HybridConfig, model: HybridLM, batch: int, length: int) -> dict[str, float]:
+    """Model FLOPs of one train step (forward + backward) on ``batch`` fresh sequences of
+    ``length`` tokens: ``6 N T`` over the matmul parameters, ``12 D Hq pairs`` per
+    attention layer, and the SSD scan's ``3 ×`` forward chunk work (reported, not in the
+    total)."""
+    params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    matmul_params = params - cfg.vocab_size * cfg.hidden_size  # the input table is a gather
+    if model.lm_head is None:  # tied: the table is also the head, a matmul
+        matmul_params += cfg.vocab_size * cfg.hidden_size
+    tokens = batch * length
+    pairs = batch * length * (length + 1) / 2
+    attention = 12.0 * cfg.head_dim * cfg.num_heads * pairs * cfg.layer_pattern.count("*")
+    chunk_lens = np.full(batch * (length // cfg.mamba_chunk_size), cfg.mamba_chunk_size)
+    if length % cfg.mamba_chunk_size:
+        chunk_lens = np.concatenate([chunk_lens, [length % cfg.mamba_chunk_size] * batch])
+    ssd_problem = ssd_benchmark.PrefillProblem(
+        "train",
+        (length,) * batch,
+        heads=cfg.mamba_num_heads,
+        head_dim=cfg.mamba_head_dim,
+        state_dim=cfg.mamba_state_size,
+        groups=cfg.mamba_groups,
+        chunk_size=cfg.mamba_chunk_size,
+    )
+    ssd_forward, _ = ssd_benchmark.prefill_cost(
+        ssd_problem, np.concatenate([[0], chunk_lens.cumsum()])
+    )
+    return dict(
+        params=float(params),
+        matmul_params=float(matmul_params),
+        flops=6.0 * matmul_params * tokens + attention,
+        attention_flops=attention,
+        ssd_flops=3.0 * ssd_forward * cfg.layer_pattern.count("M"),
+    )
+
+
+def bench_train(args: argparse.Namespace, results: Results) -> None:
+    if args.quick:
+        cfg, dtype, (batch, length) = HybridConfig.tiny(), jnp.float32, (2, 64)
+        name, samples = "train-tiny", dict(auto=3, xla=3)
+    else:
+        cfg, dtype, (batch, length) = bamba_1b(), jnp.bfloat16, (8, 4096)
+        # The xla step takes seconds: fewer samples keep the run within its budget.
+        name, samples = "train-bamba-1.3b", dict(auto=4, xla=2)
+    ids = jax.random.randint(jax.random.key(5), (batch, length), 0, cfg.vocab_size, jnp.int32)
+    for impl in ("auto", "xla"):  # auto first, on a device nothing else has fragmented
+        model = HybridLM(
+            cfg, dtype=dtype, implementation=impl, remat=REMAT[args.remat], rngs=nnx.Rngs(0)
+        )  # the same draws: the same initial weights for both rows
+        optimizer = make_optimizer(model)
+        cost = train_flops(cfg, model, batch, length)
+        start = time.perf_counter()
+        try:  # compile and one step
+            jax.block_until_ready(train_step(model, optimizer, ids))
+        except Exception as error:  # noqa: BLE001 — reported, the other row still runs
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            print(f"note: no {name} {impl} row ({type(error).__name__}: {reason})", flush=True)
+            del model, optimizer
+            gc.collect()
+            continue
+        first_step_s = time.perf_counter() - start
+        # One step per sample (each takes far longer than the 1 ms floor).
+        timing = _time_or_note(
+            f"{name} {impl}",
+            lambda m=model, o=optimizer: train_step(m, o, ids),
+            warmup=1,
+            samples=samples[impl],
+            min_sample_ms=0.0,
+        )
+        if timing is not None:
+            seconds = timing.median_ms * 1e-3
+            achieved = cost["flops"] / seconds / 1e12
+            results.add(
+                harness.row(
+                    name,
+                    impl,
+                    timing,
+                    flops=cost["flops"],
+                    bytes_moved=0.0,  # compute-bound: its floor is the FLOPs'
+                    ceilings=results.ceilings,
+                    op="train step (forward, backward, AdamW)",
+                    tokens=batch * length,
+                    tokens_per_s=batch * length / seconds,
+                    mfu_measured=achieved / results.ceilings.matmul_tflops,
+                    mfu_nominal=achieved / NOMINAL_BF16_TFLOPS,
+                    nominal_tflops=NOMINAL_BF16_TFLOPS,
+                    first_step_s=first_step_s,
+                    peak_bytes=_peak_bytes(),
+                    remat=args.remat,
+                    dtype=jnp.dtype(dtype).name,
+                    **{k: v for k, v in cost.items() if k != "flops"},
+                )
+            )
+        del model, optimizer
+        gc.collect()
+
+
+def _peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    sections = args.only or list(SECTIONS)
+    results = Results(harness.measure_ceilings(quick=args.quick), args.out)
+    if "ssd" in sections:
+        for p in ssd_problems(args.quick):
+            bench_ssd(p, results)
+    if "attention" in sections:
+        for p in attention_problems(args.quick):
+            bench_attention(p, results)
+    if "train" in sections:
+        bench_train(args, results)
+    harness.add_speedups(results.rows)
+    harness.report(TITLE, results.rows, results.ceilings, args.out)
+    for r in results.rows:
+        if "tokens_per_s" in r:
+            print(
+                f"{r['problem']} {r['implementation']}: {r['tokens_per_s']:,.0f} tokens/s, "
+                f"MFU {r['mfu_measured']:.1%} of the measured "
+                f"{results.ceilings.matmul_tflops:.0f} TFLOP/s, {r['mfu_nominal']:.1%} of "
+                f"the nominal {NOMINAL_BF16_TFLOPS:.0f}; {r['params'] / 1e9:.2f}B parameters"
+            )
+    return results.rows
+
+
+if __name__ == "__main__":
+    main()
