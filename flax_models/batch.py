@@ -12,6 +12,10 @@ the remaining (prefill) sequences through the chunked scan. Example, ``num_decod
     query_start_loc      = [0, 1, 2, 7, 10]       two decode rows, prefills of 5 and 3
     num_computed_tokens  = [40, 9, 0, 16]
     prefill layout       : query_start_loc [0, 5, 8] (rows 2..10), computed [0, 16]
+
+When serving, attention K/V live in a page pool and ``block_table[b]`` lists sequence
+``b``'s pages; with prefix caching ``snapshots`` says where the step saves Mamba states at
+block boundaries (``StateSnapshots``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,33 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateSnapshots:
+    """Where one step saves Mamba2 conv/SSM states into the snapshot pools (prefix caching).
+
+    A snapshot holds the state *after* an absolute position ``p`` that ends a block (``p``
+    a multiple of the block size, itself a multiple of the chunk size): the SSM state is
+    the chunk-aligned scan's state after the chunk ending at ``p``, the conv state the last
+    K−1 conv inputs before ``p``. Entries ``< 0`` save nothing (all int32).
+
+    Attributes:
+      decode_rows: [Qd] decode row of each decode save (few per step: a row ends a block
+        once every block size tokens, and the saves gather the rows' states).
+      decode_ids: [Qd] the entry its state after this step's token goes to.
+      prefill_seqs: [Q] prefill sequence (index among the prefill rows) of each save.
+      prefill_positions: [Q] its boundary ``p``, with ``num_computed < p <= num_computed
+        + new tokens`` of that sequence.
+      prefill_ids: [Q] the entry to write.
+    """
+
+    decode_rows: jax.Array
+    decode_ids: jax.Array
+    prefill_seqs: jax.Array
+    prefill_positions: jax.Array
+    prefill_ids: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +68,9 @@ class ForwardBatch:
       kv_lens: [B] keys per sequence after this step (num_computed + new tokens).
       chunks: chunk-aligned layout of the prefill sequences for the SSD scan.
       num_decode: static number of leading one-token decode sequences.
+      block_table: [B, max_blocks] each sequence's KV pages (paged caches), or None
+        (contiguous slot caches).
+      snapshots: the states this step saves (prefix caching), or None.
     """
 
     query_start_loc: jax.Array
@@ -46,6 +80,8 @@ class ForwardBatch:
     kv_lens: jax.Array
     chunks: pk.ChunkMetadata
     num_decode: int = dataclasses.field(default=0, metadata=dict(static=True))
+    block_table: jax.Array | None = None
+    snapshots: StateSnapshots | None = None
 
     @property
     def has_initial_state(self) -> jax.Array:
@@ -66,8 +102,11 @@ def make_forward_batch(
     num_tokens: int,
     chunk_size: int,
     num_decode: int = 0,
+    block_table: jax.Array | None = None,
+    snapshots: StateSnapshots | None = None,
 ) -> ForwardBatch:
-    """Derives positions, kv_lens and the prefill chunk layout (jittable, no host sync)."""
+    """Derives positions, kv_lens and the prefill chunk layout (jittable, no host sync);
+    ``block_table`` and ``snapshots`` pass through (see ``ForwardBatch``)."""
     qsl = query_start_loc.astype(jnp.int32)
     computed = num_computed_tokens.astype(jnp.int32)
     num_seqs = computed.shape[0]
@@ -96,4 +135,6 @@ def make_forward_batch(
         kv_lens=computed + qsl[1:] - qsl[:-1],
         chunks=chunks,
         num_decode=num_decode,
+        block_table=None if block_table is None else block_table.astype(jnp.int32),
+        snapshots=snapshots,
     )

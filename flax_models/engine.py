@@ -13,6 +13,16 @@ bucket whatever the mix of sampling settings: after ``warmup()`` every program a
 generation can need is compiled and ``compile_count`` stays put. Each request draws with
 its own key, ``fold_in(key(seed), index of the token among its generated tokens)``, so its
 tokens never depend on what it is batched with.
+
+Attention K/V live in a pool of pages (``kv_block_size`` tokens each) that per-slot block
+tables index; a sequence takes pages as it grows and gives them back when it ends
+(``flax_models.serving.prefix_cache.BlockManager``). With ``prefix_caching=True`` a prompt
+starts after the longest run of full blocks computed before with the same tokens: their
+pages are shared and the Mamba conv/SSM states at the end of the run are restored from a
+snapshot saved when those blocks were computed (the chunk-aligned scan's state at the
+block boundary, the conv window before it), inside the step that runs the prompt's first
+new tokens. Restores and saves are data of the step (``-1`` where none), so they add no
+program.
 """
 
 from __future__ import annotations
@@ -33,10 +43,11 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
-from flax_models.batch import make_forward_batch
+from flax_models.batch import StateSnapshots, make_forward_batch
 from flax_models.batching import BatchBuilder, Request, StepArrays
-from flax_models.cache import init_cache
+from flax_models.cache import init_cache, restore_snapshots
 from flax_models.model import HybridLM
+from flax_models.serving.prefix_cache import BlockManager, block_keys
 from flax_models.serving.sampling import (
     SamplingParams,
     check_int,
@@ -46,6 +57,9 @@ from flax_models.serving.sampling import (
 )
 
 __all__ = ["Engine", "TokenEvent", "sample_tokens"]
+
+# Decode snapshot saves per step (``Engine._snapshot_capacity``).
+_DECODE_SAVES = 4
 
 
 @dataclasses.dataclass
@@ -59,10 +73,16 @@ class _Sequence:
     slot: int | None = None
     num_computed: int = 0  # tokens already in the cache
     generated: list[int] = dataclasses.field(default_factory=list)
+    keys: list[int] = dataclasses.field(default_factory=list)  # hash chain of full blocks
+    restore: int | None = None  # snapshot to restore before its first computed token
 
     @property
     def prompt_done(self) -> bool:
         return self.num_computed >= len(self.prompt)
+
+    def tokens(self) -> list[int]:
+        """The tokens fed so far and the next one: prompt, then generated."""
+        return self.prompt + self.generated if self.generated else self.prompt
 
 
 class TokenEvent(NamedTuple):
@@ -105,13 +125,28 @@ class Engine:
         default. The largest must hold ``max_slots`` rows (every sequence decoding).
       token_buckets: allowed prefill token counts; powers of two up to ``token_budget`` by
         default. The largest must hold ``token_budget`` tokens (a full prefill step).
+      kv_block_size: tokens per KV page (>= 1); the model's Mamba chunk size by default
+        (256 without Mamba layers). With prefix caching and Mamba layers, a multiple of
+        the chunk size (states are saved at chunk ends).
+      num_kv_blocks: pages in the KV pool (>= 1); by default enough for every slot to
+        hold ``max_len`` tokens. A request needing more pages than the pool holds is
+        rejected; one needing more than are free now waits.
+      prefix_caching: reuse the attention pages and Mamba states of prompt prefixes
+        computed before (whole blocks); outputs are those without caching.
+      num_prefix_snapshots: entries of the Mamba state snapshot pool (prefix caching of a
+        model with Mamba layers; H·P·N·4 bytes per Mamba layer each): ``2 * max_slots`` by
+        default. Least recently used snapshots are overwritten first.
 
     Attributes:
       compile_count: programs compiled for this engine's steps (one per bucket).
+      blocks: the ``BlockManager`` of the KV pages and the prefix cache.
       stats: wall time and real tokens of the steps served, split into prefill (prompt
         tokens) and decode (one token per decode row): ``prefill_seconds``,
         ``prefill_tokens``, ``decode_seconds``, ``decode_tokens``. A mixed step runs both
-        in one program; its time is shared in proportion to its tokens.
+        in one program; its time is shared in proportion to its tokens. Prefix caching:
+        ``prefix_hit_tokens`` (prompt tokens not computed), ``prefix_hits`` and
+        ``prefix_misses`` (requests that did or did not start from a cached prefix; all
+        0 without caching).
     """
 
     def __init__(
@@ -123,11 +158,51 @@ class Engine:
         token_budget: int = 64,
         decode_buckets: Sequence[int] | None = None,
         token_buckets: Sequence[int] | None = None,
+        kv_block_size: int | None = None,
+        num_kv_blocks: int | None = None,
+        prefix_caching: bool = False,
+        num_prefix_snapshots: int | None = None,
     ):
         max_slots = check_int("max_slots", max_slots, low=1)
         max_len = check_int("max_len", max_len, low=1)
         token_budget = check_int("token_budget", token_budget, low=1)
-        self.cfg = model.cfg
+        cfg = model.cfg
+        has_mamba = bool(set("MP") & set(cfg.layer_pattern))
+        if kv_block_size is None:
+            kv_block_size = cfg.mamba_chunk_size if has_mamba else 256
+        block_size = check_int("kv_block_size", kv_block_size, low=1)
+        if prefix_caching and has_mamba and block_size % cfg.mamba_chunk_size:
+            raise ValueError(
+                f"kv_block_size={block_size} must be a multiple of the Mamba chunk size "
+                f"{cfg.mamba_chunk_size} for prefix caching (states are saved at chunk ends)"
+            )
+        max_blocks = -(-max_len // block_size)
+        num_kv_blocks = check_int(
+            "num_kv_blocks",
+            max_slots * max_blocks if num_kv_blocks is None else num_kv_blocks,
+            low=1,
+        )
+        num_snapshots = 0
+        if prefix_caching and has_mamba:
+            num_snapshots = check_int(
+                "num_prefix_snapshots",
+                2 * max_slots if num_prefix_snapshots is None else num_prefix_snapshots,
+                low=1,
+            )
+        self.block_size = block_size
+        self.prefix_caching = bool(prefix_caching)
+        self.blocks = BlockManager(
+            num_pages=num_kv_blocks,
+            block_size=block_size,
+            num_slots=max_slots,
+            max_blocks=max_blocks,
+            num_snapshots=num_snapshots,
+            prefix_caching=self.prefix_caching,
+            needs_state=has_mamba,
+        )
+        self._tables = None  # the device copy of blocks.tables, and its version
+        self._tables_version = -1
+        self.cfg = cfg
         self.token_budget = token_budget
         self.builder = BatchBuilder(
             num_slots=max_slots,
@@ -151,18 +226,29 @@ class Engine:
         )
         self._cache_dtype = model.dtype
         self._mesh = model.mesh  # a sharded model serves on its mesh, caches split alike
-        self.caches = init_cache(
-            self.cfg, num_slots=max_slots, max_len=max_len, dtype=model.dtype, mesh=self._mesh
-        )
+        self.caches = self._init_cache()
         self._graphdef, self._params = nnx.split(model)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.compile_count = 0
         self.stats = dict.fromkeys(
             ("prefill_seconds", "prefill_tokens", "decode_seconds", "decode_tokens"), 0
         )
+        self.stats.update(prefix_hit_tokens=0, prefix_hits=0, prefix_misses=0)
         self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1,))
 
     # ------------------------------------------------------------------------ one step
+
+    def _init_cache(self):
+        return init_cache(
+            self.cfg,
+            num_slots=self.builder.num_slots,
+            max_len=self.builder.max_len,
+            dtype=self._cache_dtype,
+            mesh=self._mesh,
+            num_blocks=self.blocks.num_pages,
+            block_size=self.block_size,
+            num_snapshots=self.blocks.num_snapshots,
+        )
 
     def _step(
         self,
@@ -172,6 +258,9 @@ class Engine:
         query_start_loc,
         num_computed,
         slot_ids,
+        block_tables,
+        restore_ids,
+        snapshots,
         temperature,
         top_k,
         top_p,
@@ -181,9 +270,16 @@ class Engine:
         num_decode,
     ):
         """One step and its sampling: ``(logits[R, V], next_tokens[R], caches)``; the
-        sampling settings are per row (``serving.sampling.sampling_arrays``)."""
+        sampling settings are per row (``serving.sampling.sampling_arrays``).
+        ``block_tables[S, max_blocks]``: every slot's pages; ``restore_ids[R - num_decode]``:
+        the snapshot each prefill row's slot starts from (-1: none) and ``snapshots`` the
+        states this step saves, both None without prefix caching."""
         self.compile_count += 1  # runs once per trace, i.e. per compiled program
         model = nnx.merge(self._graphdef, params)
+        if restore_ids is not None:
+            caches = restore_snapshots(caches, slot_ids[num_decode:], restore_ids)
+        # Padding rows read slot 0's table; nothing reads or writes for them.
+        block_table = block_tables[jnp.clip(slot_ids, 0, block_tables.shape[0] - 1)]
         batch = make_forward_batch(
             query_start_loc,
             num_computed,
@@ -191,6 +287,8 @@ class Engine:
             num_tokens=tokens.shape[0],
             chunk_size=self.cfg.mamba_chunk_size,
             num_decode=num_decode,
+            block_table=block_table,
+            snapshots=snapshots,
         )
         # Each sequence's last token (padding sequences read an arbitrary row).
         last_rows = jnp.maximum(query_start_loc[1:] - 1, 0)
@@ -201,14 +299,30 @@ class Engine:
         return logits, sample_tokens(logits, keys, temperature, top_k, top_p), caches
 
     def _run(
-        self, arrays: StepArrays, sampling: dict[str, np.ndarray] | None = None
+        self,
+        arrays: StepArrays,
+        sampling: dict[str, np.ndarray] | None = None,
+        *,
+        restore_ids: np.ndarray | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """Runs one built step and samples from it: ``(logits[R, V], tokens[R])``, on the
         device (``R`` sequence rows, padding included). ``sampling``: the rows' settings
-        from ``sampling_arrays`` (None: greedy)."""
+        from ``sampling_arrays`` (None: greedy). Every live row's slot gets the pages its
+        keys need first. With prefix caching: ``restore_ids[R - num_decode]`` and
+        ``snapshots`` (``_snapshot_plan``), none by default."""
         rows = arrays.slot_ids.shape[0]
         if sampling is None:
             sampling = sampling_arrays([None] * rows, [0] * rows)
+        kv_lens = arrays.num_computed_tokens + np.diff(arrays.query_start_loc)
+        for slot, kv_len in zip(arrays.slot_ids.tolist(), kv_lens.tolist(), strict=True):
+            if slot >= 0:
+                self.blocks.ensure(slot, kv_len)
+        if self.prefix_caching:
+            if restore_ids is None:
+                restore_ids = np.full(rows - arrays.num_decode, -1, np.int32)
+            if snapshots is None:
+                snapshots = self._snapshot_plan(arrays, [], [])[0]
         start = time.perf_counter()
         try:
             logits, tokens, self.caches = self._jitted(
@@ -218,6 +332,9 @@ class Engine:
                 arrays.query_start_loc,
                 arrays.num_computed_tokens,
                 arrays.slot_ids,
+                self._device_tables(),
+                restore_ids,
+                snapshots,
                 sampling["temperature"],
                 sampling["top_k"],
                 sampling["top_p"],
@@ -233,19 +350,91 @@ class Engine:
             self._count(arrays, time.perf_counter() - start)
         return logits, tokens
 
+    def _device_tables(self) -> jax.Array:
+        """``blocks.tables`` on the device (replicated on a mesh), copied when it changed."""
+        if self._tables_version != self.blocks.version:
+            tables = self.blocks.tables.copy()
+            if self._mesh is None:
+                self._tables = jnp.asarray(tables)
+            else:
+                sharding = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+                self._tables = jax.device_put(tables, sharding)
+            self._tables_version = self.blocks.version
+        return self._tables
+
+    def _snapshot_capacity(self, num_decode: int, token_bucket: int) -> tuple[int, int]:
+        """Static numbers of decode and prefill snapshot saves of a step's bucket. Prefill:
+        a sequence of n new tokens crosses at most ``n // block_size + 1`` block ends, each
+        needing a token, so every save fits. Decode: each save gathers a row's states (4
+        MB per Mamba layer on Bamba-9B), so a step takes a few (rows end blocks one token
+        in a block size apart); rows past them publish their block without a snapshot."""
+        prefill = 0
+        if token_bucket:
+            prefill = min(token_bucket, token_bucket // self.block_size + self.builder.prefill_seqs)
+        return min(num_decode, _DECODE_SAVES), prefill
+
+    def _snapshot_plan(
+        self,
+        arrays: StepArrays,
+        decode: list[_Sequence],
+        prefill: list[tuple[_Sequence, int]],
+    ) -> tuple[StateSnapshots, dict[int, dict[int, int]]]:
+        """Which block ends of this step save their Mamba states, into which snapshot
+        entries: ``(StateSnapshots, {sequence index: {block: entry}})``. A block end is
+        saved when prefix caching wants it (``BlockManager.wants_snapshot``) and an entry
+        is free or evictable."""
+        bs, num_decode = self.block_size, arrays.num_decode
+        decode_capacity, capacity = self._snapshot_capacity(
+            num_decode, arrays.tokens.shape[0] - num_decode
+        )
+        decode_saves: list[tuple[int, int]] = []  # (decode row, entry)
+        saves: list[tuple[int, int, int]] = []  # (prefill sequence, position, entry)
+        taken: dict[int, dict[int, int]] = {}
+        fed = [(s, 1, row, None) for row, s in enumerate(decode)]
+        fed += [(s, n, None, j) for j, (s, n) in enumerate(prefill)]
+        for seq, count, decode_row, prefill_row in fed:
+            start = seq.num_computed
+            ends = range((start // bs + 1) * bs, start + count + 1, bs)
+            if not ends or not self.blocks.num_snapshots:
+                continue
+            tokens = seq.tokens()
+            block_keys(tokens, bs, (start + count) // bs, seq.keys)
+            for end in ends:
+                block = end // bs - 1
+                full = (
+                    len(saves) == capacity
+                    if decode_row is None
+                    else (len(decode_saves) == decode_capacity)
+                )
+                if full:
+                    break
+                if not self.blocks.wants_snapshot(tokens, seq.keys, block):
+                    continue
+                entry = self.blocks.take_snapshot()
+                if entry is None:
+                    break
+                taken.setdefault(seq.index, {})[block] = entry
+                if decode_row is not None:
+                    decode_saves.append((decode_row, entry))
+                else:
+                    saves.append((prefill_row, end, entry))
+        decode_columns = np.full((2, decode_capacity), -1, np.int32)  # padding saves nothing
+        if decode_saves:
+            decode_columns[:, : len(decode_saves)] = np.asarray(decode_saves, np.int32).T
+        columns = np.full((3, capacity), -1, np.int32)
+        if saves:
+            columns[:, : len(saves)] = np.asarray(saves, np.int32).T
+        return StateSnapshots(*decode_columns, *columns), taken
+
     def _recover_caches(self) -> None:
         """After a step that raised: the caches were donated to it, and if it consumed them
         (an interrupt or a device error after dispatch) fresh zero caches replace them, so
         the engine stays usable. Slots' states are lost then, which is harmless for slots
-        given back, since a new sequence never reads its slot's old state."""
+        given back, since a new sequence never reads its slot's old state; every page and
+        the prefix cache are dropped with them."""
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
-            self.caches = init_cache(
-                self.cfg,
-                num_slots=self.builder.num_slots,
-                max_len=self.builder.max_len,
-                dtype=self._cache_dtype,
-                mesh=self._mesh,
-            )
+            self.caches = self._init_cache()
+            self.blocks.reset()
 
     def _count(self, arrays: StepArrays, seconds: float) -> None:
         decode_tokens = arrays.num_decode_requests
@@ -279,11 +468,27 @@ class Engine:
         return self._free_slots.pop()
 
     def release_slot(self, slot: int) -> None:
-        """Frees a slot. Its stale state is never read: the next sequence there starts with
-        num_computed = 0 (no initial conv/SSM state) and kv_lens bound its attention."""
+        """Frees a slot and its KV pages. Its stale state is never read: the next sequence
+        there starts with num_computed = 0 (no initial conv/SSM state) or from a restored
+        snapshot, and kv_lens bound its attention."""
         if slot in self._free_slots or not 0 <= slot < self.builder.num_slots:
             raise ValueError(f"slot {slot} is not in use")
+        self.blocks.release(slot)
         self._free_slots.append(slot)
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached prefix (between generations): later prompts compute from
+        their first token until blocks are published again."""
+        self.blocks.clear_cache()
+
+    def use_prefix_cache(self, enabled: bool) -> None:
+        """Switches lookups and publishing on or off (between generations) in an engine
+        built with ``prefix_caching=True``, on the same compiled programs: off, it computes
+        every prompt whole, as an engine without caching (A/B measurements)."""
+        if not self.prefix_caching:
+            raise ValueError("use_prefix_cache needs an engine built with prefix_caching=True")
+        self.clear_prefix_cache()
+        self.blocks.prefix_caching = bool(enabled)
 
     # ------------------------------------------------------------------------ generate
 
@@ -379,33 +584,49 @@ class Engine:
                     f"prompt {i}: {len(prompt)} tokens + {p.max_new_tokens} new "
                     f"exceed max_len={self.builder.max_len}"
                 )
+            pages = -(-(len(prompt) + p.max_new_tokens - 1) // self.block_size)
+            if pages > self.blocks.num_pages:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens + {p.max_new_tokens} new need {pages} "
+                    f"KV pages of {self.block_size} tokens; num_kv_blocks="
+                    f"{self.blocks.num_pages}"
+                )
         sequences = [
             _Sequence(i, prompt, p, eos | frozenset(p.stop_token_ids))
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        return _EventStream(self._schedule(sequences, stop, progress), len(prompts))
+        hits: dict[int, int] = {}
+        return _EventStream(self._schedule(sequences, stop, progress, hits), len(prompts), hits)
 
     def _schedule(
         self,
         sequences: list[_Sequence],
         stop: Callable[[int, int], bool] | None,
         progress: bool | None,
+        hits: dict[int, int],
     ) -> Iterator[TokenEvent]:
-        """The scheduler loop of ``stream`` over checked requests."""
+        """The scheduler loop of ``stream`` over checked requests; ``hits`` gets each
+        request's prefix hit tokens as it is admitted."""
         waiting = collections.deque(s for s in sequences if s.params.max_new_tokens > 0)
         if not waiting:
             return
         running: list[_Sequence] = []
         bar = _Progress(sum(s.params.max_new_tokens for s in waiting), enabled=progress)
         # Every slot this call takes is back in the free list when it returns or raises
-        # (however far it got): the free list is restored as it was on entry.
+        # (however far it got): the free list is restored as it was on entry, and the
+        # pages of the sequences still running are given back.
         free_on_entry = list(self._free_slots)
+        for slot in free_on_entry:  # pages direct ``step`` calls left in free slots
+            self.blocks.release(slot)
         try:
             while waiting or running:
                 while waiting and self._free_slots:
-                    seq = waiting.popleft()
-                    seq.slot = self.allocate_slot()
+                    seq = self._next_admissible(waiting, running)
+                    if seq is None or not self._admit(seq):
+                        break  # waits for pages (first come, first served)
+                    waiting.remove(seq)
                     running.append(seq)
+                    hits[seq.index] = seq.num_computed
                 decode = [s for s in running if s.prompt_done]
                 budget = max(self.token_budget - len(decode), 0) if decode else self.token_budget
                 prefill: list[tuple[_Sequence, int]] = []
@@ -425,6 +646,13 @@ class Engine:
                 )
                 fed = [(s, 1) for s in decode] + prefill
                 rows = self.builder.request_rows(arrays)
+                restore_ids, snapshots, taken = None, None, {}
+                if self.prefix_caching:
+                    snapshots, taken = self._snapshot_plan(arrays, decode, prefill)
+                    restore_ids = np.full(len(arrays.slot_ids) - arrays.num_decode, -1, np.int32)
+                    for seq, row in zip([s for s, _ in fed], rows, strict=True):
+                        if seq.restore is not None:  # a prefill row, its first computed step
+                            restore_ids[row - arrays.num_decode] = seq.restore
                 # Each row samples with its request's settings and key; rows whose token is
                 # not used (a prompt not done after this step, padding) take the argmax.
                 row_params: list[SamplingParams | None] = [None] * arrays.slot_ids.shape[0]
@@ -433,10 +661,25 @@ class Engine:
                     if seq.num_computed + count >= len(seq.prompt):
                         row_params[row] = seq.params
                         counters[row] = len(seq.generated)
-                _, tokens = self._run(arrays, sampling_arrays(row_params, counters))
+                try:
+                    _, tokens = self._run(
+                        arrays,
+                        sampling_arrays(row_params, counters),
+                        restore_ids=restore_ids,
+                        snapshots=snapshots,
+                    )
+                except BaseException:
+                    self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
+                    raise
                 tokens = np.asarray(tokens)
                 for (seq, count), row in zip(fed, rows, strict=True):
+                    start = seq.num_computed
                     seq.num_computed += count
+                    if seq.restore is not None:
+                        self.blocks.restored(seq.slot)
+                        seq.restore = None
+                    if self.blocks.prefix_caching:
+                        self._publish(seq, start, taken.get(seq.index, {}))
                     if not seq.prompt_done:
                         continue
                     token = int(tokens[row])
@@ -453,8 +696,65 @@ class Engine:
                         self.release_slot(seq.slot)
                     yield TokenEvent(seq.index, token, reason)
         finally:
+            for seq in running:
+                self.blocks.release(seq.slot)
             self._free_slots = free_on_entry
             bar.close()
+
+    def _next_admissible(
+        self, waiting: collections.deque[_Sequence], running: list[_Sequence]
+    ) -> _Sequence | None:
+        """The first waiting request that need not wait for a prefix in flight.
+
+        With prefix caching, a request whose next uncached block is one a running prompt
+        is computing now waits for it to be published rather than computing it again
+        (many requests arriving together with one system prompt compute it once); later
+        requests pass it. The running prompt publishes its blocks as its chunks complete,
+        so the wait ends at the latest when its prefill does."""
+        if not self.blocks.prefix_caching:
+            return waiting[0]
+        bs = self.block_size
+        in_flight = {
+            key
+            for r in running
+            if not r.prompt_done
+            for key in r.keys[r.num_computed // bs : len(r.prompt) // bs]
+        }
+        for seq in waiting:
+            keys = block_keys(seq.prompt, bs, (len(seq.prompt) - 1) // bs, seq.keys)
+            hit, _ = self.blocks.lookup(seq.prompt, keys)
+            if hit == len(keys) or keys[hit] not in in_flight:
+                return seq
+        return None
+
+    def _admit(self, seq: _Sequence) -> bool:
+        """Gives ``seq`` a slot, its cached prefix (prefix caching) and its page
+        reservation; False (nothing changed) when the pool cannot hold them yet."""
+        slot = self._free_slots[-1]
+        if self.prefix_caching:  # every full prompt block's key: in flight once admitted
+            block_keys(seq.prompt, self.block_size, len(seq.prompt) // self.block_size, seq.keys)
+        hit = self.blocks.admit(
+            slot, seq.prompt, seq.keys, len(seq.prompt) + seq.params.max_new_tokens - 1
+        )
+        if hit is None:
+            return False
+        seq.slot = self.allocate_slot()
+        seq.num_computed, seq.restore = hit.tokens, hit.snapshot
+        if self.prefix_caching:
+            self.stats["prefix_hit_tokens"] += hit.tokens
+            self.stats["prefix_hits" if hit.tokens else "prefix_misses"] += 1
+        return True
+
+    def _publish(self, seq: _Sequence, start: int, snapshots: dict[int, int]) -> None:
+        """Publishes the blocks ``seq`` filled in a step that began at ``start`` computed
+        tokens, with the snapshots saved at their ends."""
+        first, end = start // self.block_size, seq.num_computed // self.block_size
+        if end > first:
+            tokens = seq.tokens()
+            block_keys(tokens, self.block_size, end, seq.keys)
+            self.blocks.publish(seq.slot, tokens, seq.keys, range(first, end), snapshots)
+        elif snapshots:
+            self.blocks.give_back_snapshots(list(snapshots.values()))
 
     def _check_prompts(self, prompts) -> list[list[int]]:
         """Prompts as lists of ints in ``[0, vocab_size)``; ``ValueError`` naming the first
@@ -509,10 +809,14 @@ class Engine:
 
 
 class _EventStream:
-    """The iterator ``Engine.stream`` returns: its ``TokenEvent``s, and ``num_requests``."""
+    """The iterator ``Engine.stream`` returns: its ``TokenEvent``s, ``num_requests``, and
+    ``prefix_hits`` (request index -> prompt tokens taken from the prefix cache, filled as
+    requests are admitted; 0 without prefix caching)."""
 
-    def __init__(self, events: Iterator[TokenEvent], num_requests: int):
-        self._events, self.num_requests = events, num_requests
+    def __init__(
+        self, events: Iterator[TokenEvent], num_requests: int, prefix_hits: dict[int, int]
+    ):
+        self._events, self.num_requests, self.prefix_hits = events, num_requests, prefix_hits
 
     def __iter__(self) -> _EventStream:
         return self

@@ -194,16 +194,31 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
 
 # Caches are split as the mixers' heads: conv channels (tp-major x | B | C), SSM heads, KV
 # heads (copies of one KV head per device when tp > num_kv_heads).
+# Page pools [num_blocks, block_size, Hkv, D] split over Hkv like the slot layout; snapshot
+# pools like the slot states they are copies of.
 MAMBA_CACHE_SPEC = MambaCache(conv_state=P(None, None, TP), ssm_state=P(None, TP))
+MAMBA_SNAPSHOT_CACHE_SPEC = MambaCache(
+    conv_state=P(None, None, TP),
+    ssm_state=P(None, TP),
+    snapshot_conv=P(None, None, TP),
+    snapshot_ssm=P(None, TP),
+)
 ATTENTION_CACHE_SPEC = AttentionCache(k=P(None, None, TP), v=P(None, None, TP))
 
 
-def cache_specs(cfg: HybridConfig) -> tuple[LayerCache, ...]:
-    """The ``PartitionSpec`` of every cache array, in ``init_cache``'s tree."""
+def mamba_cache_spec(cache: MambaCache) -> MambaCache:
+    """The spec tree of one Mamba2 layer's cache, with or without its snapshot pool."""
+    return MAMBA_SNAPSHOT_CACHE_SPEC if cache.has_snapshots else MAMBA_CACHE_SPEC
+
+
+def cache_specs(cfg: HybridConfig, *, snapshots: bool = False) -> tuple[LayerCache, ...]:
+    """The ``PartitionSpec`` of every cache array, in ``init_cache``'s tree (``snapshots``:
+    the Mamba2 layers carry snapshot pools)."""
+    mamba = MAMBA_SNAPSHOT_CACHE_SPEC if snapshots else MAMBA_CACHE_SPEC
     specs = {
-        "M": MAMBA_CACHE_SPEC,
+        "M": mamba,
         "*": ATTENTION_CACHE_SPEC,
-        "P": ParallelCache(mamba=MAMBA_CACHE_SPEC, attention=ATTENTION_CACHE_SPEC),
+        "P": ParallelCache(mamba=mamba, attention=ATTENTION_CACHE_SPEC),
     }
     return tuple(specs.get(kind) for kind in cfg.layer_pattern)
 

@@ -1,4 +1,5 @@
-"""Grouped-query attention over the slot-indexed KV cache, with full, partial or no RoPE."""
+"""Grouped-query attention over the slot-indexed or paged KV cache, with full, partial or no
+RoPE."""
 
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ class Attention(nnx.Module):
             query_start_loc=batch.query_start_loc,
             kv_lens=batch.kv_lens,
             slot_ids=batch.slot_ids,
+            block_table=batch.block_table,
             implementation=impl,
         )
         out = pk.masked_tail_attention(
@@ -112,6 +114,7 @@ class Attention(nnx.Module):
             query_start_loc=batch.query_start_loc,
             kv_lens=batch.kv_lens,
             slot_ids=batch.slot_ids,
+            block_table=batch.block_table,
             causal=True,
             sm_scale=cfg.scale,
             implementation=impl,

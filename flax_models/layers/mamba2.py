@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +16,9 @@ from flax_models.batch import ForwardBatch
 from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
-from flax_models.sharding import MAMBA_CACHE_SPEC as CACHE_SPEC
-from flax_models.sharding import TP, shard_call, tp_size
+from flax_models.sharding import TP, mamba_cache_spec, shard_call, tp_size
 from pallas_kernels._common import silu
+from pallas_kernels.ssd.api import gather_states, scatter_states
 
 
 class Mamba2Mixer(nnx.Module):
@@ -82,9 +84,8 @@ class Mamba2Mixer(nnx.Module):
             part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
             return jax.lax.psum(part, TP), cache
 
-        out, cache = shard_call(
-            self, body, (h, batch, cache), (P(), P(), CACHE_SPEC), (P(), CACHE_SPEC)
-        )
+        spec = mamba_cache_spec(cache)
+        out, cache = shard_call(self, body, (h, batch, cache), (P(), P(), spec), (P(), spec))
         if self.out_proj.bias is not None:
             out = out + self.out_proj.bias[...]
         return scaled(out.astype(h.dtype), cfg.mamba_out_multiplier), cache
@@ -111,6 +112,8 @@ class Mamba2Mixer(nnx.Module):
             y, cache = self._decode(
                 xbc[:num_decode], dt[:num_decode], gate, batch.slot_ids[:num_decode], cache
             )
+            if cache.has_snapshots and batch.snapshots is not None:
+                cache = self._save_decode_snapshots(batch, cache)
             ys.append(y)
         if h.shape[0] > num_decode:
             gate = None if ssm_gate is None else ssm_gate[num_decode:]
@@ -224,7 +227,9 @@ class Mamba2Mixer(nnx.Module):
             slot_ids=slot_ids,
             **self._ssm_params(),
         )
-        return y.reshape(y.shape[0], -1), MambaCache(conv_state=conv_state, ssm_state=ssm_state)
+        return y.reshape(y.shape[0], -1), dataclasses.replace(
+            cache, conv_state=conv_state, ssm_state=ssm_state
+        )
 
     def _prefill(
         self,
@@ -238,6 +243,7 @@ class Mamba2Mixer(nnx.Module):
         cfg, nd = self.cfg, batch.num_decode
         slot_ids = batch.slot_ids[nd:]
         has_state = batch.has_initial_state[nd:]
+        conv_inputs, conv_before = xbc, cache.conv_state
         xbc, conv_state = pk.causal_conv1d(
             xbc,
             self.conv_weight[...],
@@ -250,20 +256,122 @@ class Mamba2Mixer(nnx.Module):
             implementation=self.implementation,
         )
         x, B, C = self._split_xbc(xbc)
-        # The scan reads each sequence's state from its slot and writes the final one back
-        # (padding writes nothing; a sequence without new tokens keeps its state).
-        y, ssm_state = pk.ssd_scan(
+        scan = (
+            dict(z=self._heads(gate), metadata=batch.chunks, chunk_size=cfg.mamba_chunk_size)
+            | self._ssm_params()
+        )
+        if not (cache.has_snapshots and batch.snapshots is not None):
+            # The scan reads each sequence's state from its slot and writes the final one
+            # back (padding writes nothing; a sequence without new tokens keeps its state).
+            y, ssm_state = pk.ssd_scan(
+                x,
+                dt,
+                self._A(),
+                B,
+                C,
+                state_cache=cache.ssm_state,
+                slot_ids=slot_ids,
+                has_initial_state=has_state,
+                **scan,
+            )
+            y = y.reshape(y.shape[0], -1)
+            return y, dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
+
+        # Prefix caching: the scan returns the state after every chunk; the final state of
+        # each sequence is its last chunk's, and chunks ending on a block boundary are the
+        # snapshots (chunk alignment puts a chunk end on every multiple of the chunk size).
+        chunks = batch.chunks
+        initial = gather_states(cache.ssm_state, slot_ids, has_state)
+        y, states = pk.ssd_scan(
             x,
             dt,
             self._A(),
             B,
             C,
-            z=self._heads(gate),
-            metadata=batch.chunks,
-            chunk_size=cfg.mamba_chunk_size,
-            state_cache=cache.ssm_state,
-            slot_ids=slot_ids,
-            has_initial_state=has_state,
-            **self._ssm_params(),
+            initial_states=initial,
+            return_intermediate_states=True,
+            state_dtype=cache.ssm_state.dtype,
+            **scan,
         )
-        return y.reshape(y.shape[0], -1), MambaCache(conv_state=conv_state, ssm_state=ssm_state)
+        last = chunks.last_chunk_indices
+        ssm_state = scatter_states(
+            cache.ssm_state, states[jnp.maximum(last, 0)], jnp.where(last >= 0, slot_ids, -1)
+        )
+        # Rows of padding sequences give 0, as the state_cache path does.
+        rows = jnp.arange(y.shape[0])
+        qsl = batch.prefill_query_start_loc
+        seq = jnp.minimum(jnp.searchsorted(qsl[1:], rows, side="right"), slot_ids.shape[0] - 1)
+        live = (rows < qsl[-1]) & (slot_ids[seq] >= 0)
+        y = jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype)).reshape(y.shape[0], -1)
+        snapshot_conv, snapshot_ssm = self._prefill_snapshots(
+            batch, conv_inputs, conv_before, states, cache
+        )
+        return y, MambaCache(
+            conv_state=conv_state,
+            ssm_state=ssm_state,
+            snapshot_conv=snapshot_conv,
+            snapshot_ssm=snapshot_ssm,
+        )
+
+    def _prefill_snapshots(
+        self,
+        batch: ForwardBatch,
+        conv_inputs: jax.Array,
+        conv_before: jax.Array,
+        states: jax.Array,
+        cache: MambaCache,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The snapshot pools with this step's prefill saves (``batch.snapshots``) written.
+
+        Save ``q`` of prefill sequence ``b`` (``nc`` computed before, ``n`` new tokens) at
+        boundary ``p``: the SSM state is the scan's state after the chunk ending at ``p``,
+        ``cdiv(nc + n, cs) - p // cs`` chunks before the sequence's last; the conv state is
+        the inputs at positions ``p - K + 1 .. p - 1``, from this step's packed
+        ``conv_inputs[T, conv_dim]`` at or after ``nc``, before it from the slot's conv
+        state as it was before this step (``conv_before[S, K - 1, conv_dim]``, the K − 1
+        inputs before ``nc``, oldest first). Example, K = 4, nc = 14, p = 16::
+
+            positions   13 14 15 | 16 ..
+            window      old[2] new[0] new[1]     old = conv_before[slot], new = packed rows
+        """
+        cfg, nd, snaps = self.cfg, batch.num_decode, batch.snapshots
+        cs, K1 = cfg.mamba_chunk_size, cfg.mamba_conv_kernel - 1
+        qsl = batch.prefill_query_start_loc
+        num_seqs = qsl.shape[0] - 1
+        seq = jnp.clip(snaps.prefill_seqs, 0, num_seqs - 1)
+        computed = batch.num_computed_tokens[nd:][seq]
+        new = (qsl[1:] - qsl[:-1])[seq]
+        pos = snaps.prefill_positions
+        ids = jnp.where(snaps.prefill_seqs >= 0, snaps.prefill_ids, -1)
+
+        last = batch.chunks.last_chunk_indices[seq]
+        chunk = last - (-(-(computed + new) // cs) - pos // cs)
+        chunk = jnp.clip(chunk, 0, states.shape[0] - 1)
+        snapshot_ssm = scatter_states(cache.snapshot_ssm, states[chunk], ids)
+
+        at = pos[:, None] - K1 + jnp.arange(K1)[None, :]  # [Q, K-1] absolute positions
+        from_new = at >= computed[:, None]
+        rows = jnp.clip(qsl[seq][:, None] + at - computed[:, None], 0, conv_inputs.shape[0] - 1)
+        slot = jnp.clip(batch.slot_ids[nd:][seq], 0, conv_before.shape[0] - 1)
+        old_index = jnp.clip(K1 - (computed[:, None] - at), 0, K1 - 1)
+        window = jnp.where(
+            from_new[..., None],
+            conv_inputs[rows].astype(conv_before.dtype),
+            conv_before[slot[:, None], old_index],
+        )
+        snapshot_conv = scatter_states(cache.snapshot_conv, window, ids)
+        return snapshot_conv, snapshot_ssm
+
+    def _save_decode_snapshots(self, batch: ForwardBatch, cache: MambaCache) -> MambaCache:
+        """Decode rows ending a block (``batch.snapshots.decode_rows``): their slots' states
+        after this token go to the snapshot pools."""
+        nd, snaps = batch.num_decode, batch.snapshots
+        rows = jnp.clip(snaps.decode_rows, 0, nd - 1)
+        live = (snaps.decode_rows >= 0) & (batch.slot_ids[rows] >= 0)
+        ids = jnp.where(live, snaps.decode_ids, -1)
+        slot = jnp.clip(batch.slot_ids[rows], 0, cache.ssm_state.shape[0] - 1)
+        return dataclasses.replace(
+            cache,
+            snapshot_conv=scatter_states(cache.snapshot_conv, cache.conv_state[slot], ids),
+            snapshot_ssm=scatter_states(cache.snapshot_ssm, cache.ssm_state[slot], ids),
+        )

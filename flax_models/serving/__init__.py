@@ -1,5 +1,6 @@
 """Serving beyond the engine's step: sampling settings and the device sampler, text in and
-text out (``LLM``), incremental detokenisation and chat templates.
+text out (``LLM``), incremental detokenisation, chat templates, and the KV page pool and
+prefix cache (``prefix_cache.BlockManager``).
 
 ``flax_models.engine`` (the jitted step and the scheduler) samples with
 ``serving.sampling``; ``serving.llm`` wraps an engine with a Hugging Face tokenizer.

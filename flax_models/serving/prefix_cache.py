@@ -1,0 +1,333 @@
+"""Paged KV blocks and the chunk-granular prefix cache of the engine (host side).
+
+The attention K/V of every attention layer is one pool of pages
+``[num_pages, block_size, Hkv, D]``; sequence ``s`` (in cache slot ``s``) keeps its key
+``j`` in page ``tables[s, j // block_size]``. Pages are taken as a sequence grows and
+given back when it ends, so memory follows the tokens held, not ``max_len``.
+
+With prefix caching, every full block a sequence computes is *published* under a hash
+chain of its tokens, ``key_i = hash((key_{i-1}, tokens of block i))``, so a key names the
+whole prefix up to the end of its block. A new prompt walks its own chain and takes the
+longest run of published blocks: their pages are shared (reference counts; a shared page
+is full and never written again), and the Mamba conv/SSM state at the end of the run comes
+from a *snapshot* saved when the block was computed. Snapshots are large (H·P·N·4 bytes
+per Mamba layer), so they live in a bounded pool of their own and a block may lack one; a
+hit ends at the deepest block of the run that has one (models without Mamba layers need
+none). Example, block size 4, a cached prompt ``a b c d | e f g h | i j k l``::
+
+    new prompt  a b c d | e f g h | i j x y | z     blocks 0, 1 match; block 2 differs
+    snapshots   -         yes       -               the hit ends at block 1: 8 tokens
+    computed    from position 8, starting from the snapshot of block 1
+
+A prompt is never hit whole: its last token must run to give the logits of the first new
+token, so the hit stops at least one token short (a fully cached prompt backs off a block
+and recomputes it from the snapshot before it, which keeps the states exact).
+
+Eviction is LRU in both pools. A published page nobody holds stays cached until a page is
+needed and none is free; then the least recently released one goes (its block, and its
+snapshot, leave the cache; blocks below it stay but are unreachable until it is
+published again). A snapshot a waiting sequence will restore is pinned until its step
+has run.
+
+Admission reserves every page a sequence can need (prompt + new tokens − 1 keys), so a
+running sequence never waits for a page: the engine admits a request only when the pool
+(free and evictable pages, less those promised) holds its reservation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["BlockManager", "PrefixHit", "block_keys"]
+
+
+def block_keys(
+    tokens: Sequence[int], block_size: int, num_blocks: int, keys: list[int] | None = None
+) -> list[int]:
+    """The hash chain of the first ``num_blocks`` full blocks of ``tokens``, extending
+    ``keys`` (the chain of an earlier call over the same tokens) in place."""
+    keys = [] if keys is None else keys
+    for i in range(len(keys), num_blocks):
+        parent = keys[i - 1] if i else None
+        keys.append(hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size]))))
+    return keys
+
+
+@dataclasses.dataclass
+class _Block:
+    """A published block: its page, and the snapshot of the state at its end (or None)."""
+
+    parent: int | None
+    tokens: tuple[int, ...]
+    page: int
+    snapshot: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """What ``BlockManager.admit`` gave a sequence: ``tokens`` already computed (a multiple
+    of the block size) and the ``snapshot`` to restore its Mamba state from (None when
+    nothing hit or the model has no Mamba state)."""
+
+    tokens: int
+    snapshot: int | None
+
+
+class BlockManager:
+    """Pages, per-slot block tables, published blocks and snapshots of one engine.
+
+    Args:
+      num_pages: pages in the KV pool.
+      block_size: tokens per page (a multiple of the Mamba chunk size for prefix caching).
+      num_slots: cache slots (rows of ``tables``).
+      max_blocks: table columns, ``cdiv(max_len, block_size)``.
+      num_snapshots: entries of the snapshot pool (0: no snapshots).
+      prefix_caching: publish blocks and match prompts against them.
+      needs_state: the model has Mamba layers: a hit needs a snapshot at its last block.
+
+    Attributes:
+      tables: int32[num_slots, max_blocks], each slot's pages (-1: none); ``version`` counts
+        its changes (the engine copies it to the device when it moved).
+      evicted_pages, evicted_snapshots: cached pages and snapshots reused for new content.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        block_size: int,
+        num_slots: int,
+        max_blocks: int,
+        num_snapshots: int,
+        prefix_caching: bool,
+        needs_state: bool,
+    ):
+        self.num_pages, self.block_size = num_pages, block_size
+        self.num_snapshots = num_snapshots
+        self.prefix_caching, self.needs_state = prefix_caching, needs_state
+        self.tables = np.full((num_slots, max_blocks), -1, np.int32)
+        self.version = 0
+        self.evicted_pages = self.evicted_snapshots = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page and snapshot free, nothing published (the caches were lost)."""
+        self.tables[:] = -1
+        self.version += 1
+        self._pages: list[list[int]] = [[] for _ in range(self.tables.shape[0])]
+        self._refs = np.zeros(self.num_pages, np.int32)
+        self._free = collections.deque(range(self.num_pages))
+        self._blocks: dict[int, _Block] = {}
+        self._page_block: dict[int, int] = {}  # published page -> its block's key
+        # Published pages no sequence holds, least recently released first.
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._reserved = np.zeros(self.tables.shape[0], np.int64)  # promised, not taken
+        self._free_snapshots = collections.deque(range(self.num_snapshots))
+        # Snapshots holding a block's state, least recently used first.
+        self._snapshot_block: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._pinned: dict[int, int] = {}  # slot -> snapshot it will restore
+
+    def clear_cache(self) -> None:
+        """Forgets every published block and snapshot (pages held by running sequences
+        stay theirs). Not while a restore is pending."""
+        if self._pinned:
+            raise RuntimeError("a sequence waits to restore a snapshot; clear between runs")
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._blocks.clear()
+        self._page_block.clear()
+        self._snapshot_block.clear()
+        self._free_snapshots = collections.deque(range(self.num_snapshots))
+
+    # ------------------------------------------------------------------------ counts
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no sequence holds (free, or cached and evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    def slot_pages(self, slot: int) -> list[int]:
+        return list(self._pages[slot])
+
+    def snapshot_of(self, key: int) -> int | None:
+        """The snapshot entry of the published block ``key`` (None: none, or unpublished)."""
+        block = self._blocks.get(key)
+        return None if block is None else block.snapshot
+
+    # ------------------------------------------------------------------------ sequences
+
+    def lookup(self, tokens: Sequence[int], keys: list[int]) -> tuple[int, int | None]:
+        """``(blocks, snapshot)`` of the longest usable cached prefix of ``tokens`` (whose
+        chain is ``keys``, at least ``(len(tokens) - 1) // block_size`` long); touches
+        nothing."""
+        if not self.prefix_caching:
+            return 0, None
+        bs, best, snapshot, parent = self.block_size, 0, None, None
+        for i in range((len(tokens) - 1) // bs):
+            block = self._blocks.get(keys[i])
+            if (
+                block is None
+                or block.parent != parent
+                or block.tokens != tuple(tokens[i * bs : (i + 1) * bs])
+            ):
+                break  # a hash collision counts as a miss
+            if not self.needs_state or block.snapshot is not None:
+                best, snapshot = i + 1, block.snapshot
+            parent = keys[i]
+        return best, snapshot
+
+    def admit(
+        self, slot: int, tokens: Sequence[int], keys: list[int], max_tokens: int
+    ) -> PrefixHit | None:
+        """Takes slot ``slot`` (empty) for a sequence of prompt ``tokens`` that will hold
+        ``max_tokens`` keys: shares the pages of its cached prefix and reserves the rest.
+        None (nothing changed) when the pool cannot hold the reservation now."""
+        if self._pages[slot]:
+            raise ValueError(f"slot {slot} holds pages; release it first")
+        hit, snapshot = self.lookup(tokens, keys)
+        pages = [self._blocks[keys[i]].page for i in range(hit)]
+        need = -(-max_tokens // self.block_size) - hit
+        unheld = sum(1 for page in pages if self._refs[page] == 0)  # leave the evictable set
+        if self.num_free_pages - unheld - int(self._reserved.sum()) < need:
+            return None
+        for page in pages:
+            self._refs[page] += 1
+            self._evictable.pop(page, None)
+        self._pages[slot] = pages
+        self.tables[slot, :hit] = pages
+        self.version += 1
+        self._reserved[slot] = need
+        if snapshot is not None:
+            self._pinned[slot] = snapshot
+            self._snapshot_block.move_to_end(snapshot)
+        return PrefixHit(hit * self.block_size, snapshot)
+
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        """Gives slot ``slot`` pages for its first ``num_tokens`` keys; RuntimeError when
+        the pool has no page left (only for slots that reserved none: direct steps)."""
+        needed = -(-num_tokens // self.block_size)
+        if needed > self.tables.shape[1]:
+            raise ValueError(
+                f"slot {slot}: {num_tokens} tokens exceed the block table "
+                f"({self.tables.shape[1]} blocks of {self.block_size})"
+            )
+        pages = self._pages[slot]
+        while len(pages) < needed:
+            if self._reserved[slot] > 0:
+                self._reserved[slot] -= 1
+            elif self.num_free_pages - int(self._reserved.sum()) <= 0:
+                raise RuntimeError(
+                    f"the KV page pool is exhausted ({self.num_pages} pages of "
+                    f"{self.block_size} tokens); raise num_kv_blocks"
+                )
+            page = self._take_page()
+            self._refs[page] = 1
+            self.tables[slot, len(pages)] = page
+            pages.append(page)
+            self.version += 1
+
+    def restored(self, slot: int) -> None:
+        """The step that restored slot ``slot``'s snapshot ran: unpin it."""
+        self._pinned.pop(slot, None)
+
+    def release(self, slot: int) -> None:
+        """Gives back slot ``slot``'s pages, reservation and pin; published pages nobody
+        holds stay cached (most recently released last in the LRU order)."""
+        for page in self._pages[slot]:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._page_block:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+        if self._pages[slot]:
+            self._pages[slot] = []
+            self.tables[slot] = -1
+            self.version += 1
+        self._reserved[slot] = 0
+        self._pinned.pop(slot, None)
+
+    def _take_page(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._evictable.popitem(last=False)
+        self.evicted_pages += 1
+        block = self._blocks.pop(self._page_block.pop(page))
+        if block.snapshot is not None:
+            del self._snapshot_block[block.snapshot]
+            self._free_snapshots.append(block.snapshot)
+        return page
+
+    # ------------------------------------------------------------------------ publishing
+
+    def wants_snapshot(self, tokens: Sequence[int], keys: list[int], block: int) -> bool:
+        """Whether the state at the end of ``block`` should be saved: prefix caching of a
+        model with Mamba state, and no snapshot of this block cached yet."""
+        if not (self.prefix_caching and self.needs_state and self.num_snapshots):
+            return False
+        cached = self._blocks.get(keys[block])
+        return cached is None or cached.snapshot is None
+
+    def take_snapshot(self) -> int | None:
+        """A free snapshot entry (evicting the least recently used unpinned one), or None."""
+        if self._free_snapshots:
+            return self._free_snapshots.popleft()
+        pinned = set(self._pinned.values())
+        for snapshot, key in self._snapshot_block.items():
+            if snapshot not in pinned:
+                del self._snapshot_block[snapshot]
+                self._blocks[key].snapshot = None
+                self.evicted_snapshots += 1
+                return snapshot
+        return None
+
+    def give_back_snapshots(self, snapshots: Sequence[int]) -> None:
+        """Returns snapshot entries taken for a step that did not run (entries already
+        free, e.g. after a ``reset``, stay listed once)."""
+        free = set(self._free_snapshots)
+        self._free_snapshots.extend(s for s in snapshots if s not in free)
+
+    def publish(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        keys: list[int],
+        blocks: range,
+        snapshots: dict[int, int],
+    ) -> None:
+        """Publishes full ``blocks`` of the sequence in ``slot`` (``tokens``, chain
+        ``keys``) with the snapshots saved at their ends (block -> entry; entries not kept
+        go back to the free pool)."""
+        bs = self.block_size
+        for i in blocks:
+            snapshot = snapshots.get(i)
+            page, key = self._pages[slot][i], keys[i]
+            parent = keys[i - 1] if i else None
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            cached = self._blocks.get(key)
+            if cached is None and page not in self._page_block:
+                cached = self._blocks[key] = _Block(parent, block_tokens, page)
+                self._page_block[page] = key
+            keep = (
+                snapshot is not None
+                and cached is not None
+                and cached.snapshot is None
+                and (cached.parent, cached.tokens) == (parent, block_tokens)
+            )
+            if keep:
+                cached.snapshot = snapshot
+                self._snapshot_block[snapshot] = key
+            elif snapshot is not None:
+                self._free_snapshots.append(snapshot)
