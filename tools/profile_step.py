@@ -1,7 +1,7 @@
 """Where one serving step's device time goes, kernel by kernel (GPU).
 
 ``PYTHONPATH=. python3 tools/profile_step.py [--model bamba-9b] [--pattern MMMM*] [--rows 256]``
-``[--context 4096] [--prompt 0] [--impl auto] [--top 25] [--trace-dir DIR]``
+``[--context 4096] [--prompt 0] [--impl auto] [--tp 1] [--top 25] [--trace-dir DIR]``
 
 Builds a model of one of ``benchmarks.model``'s shapes (Bamba-9B by default) with the given
 layer pattern (random init, bf16; a few
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import harness
-from benchmarks.model import MODELS
+from benchmarks.model import MODELS, _mesh
 from flax_models.batching import Request
 from flax_models.engine import Engine
 from flax_models.model import HybridLM
@@ -60,13 +60,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=0, help="new tokens per sequence")
     parser.add_argument("--impl", default="auto")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel over N devices")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--trace-dir", default="/tmp/profile_step")
     args = parser.parse_args()
 
     cfg = MODELS[args.model](layer_pattern=args.pattern)
-    model = HybridLM(cfg, dtype=jnp.bfloat16, implementation=args.impl, rngs=nnx.Rngs(0))
+    model = HybridLM(
+        cfg, dtype=jnp.bfloat16, implementation=args.impl, rngs=nnx.Rngs(0), mesh=_mesh(args.tp)
+    )
     rng = np.random.default_rng(0)
     if args.prompt:
         tokens = args.rows * args.prompt
@@ -96,7 +99,7 @@ def main() -> None:
     timing = harness.time_fn(lambda: engine.step(arrays), warmup=2, samples=10)
     kind = f"prefill {args.rows}x{args.prompt}" if args.prompt else f"decode {args.rows} rows"
     print(
-        f"{args.model} {args.pattern} {args.impl} {kind}, context {args.context}: "
+        f"{args.model} {args.pattern} {args.impl} tp={args.tp} {kind}, context {args.context}: "
         f"{timing.median_ms:.3f} ms"
     )
 
@@ -105,11 +108,12 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step(arrays)
     total, calls = device_op_times(trace_dir)
-    overall = sum(total.values()) / args.steps
-    print(f"device ops: {overall / 1e3:.3f} ms per step")
+    # Every device's ops land in the trace: per device, averaged over the devices.
+    runs = args.steps * args.tp
+    overall = sum(total.values()) / runs
+    print(f"device ops: {overall / 1e3:.3f} ms per step (per device)")
     for name, us in total.most_common(args.top):
-        share = us / args.steps
-        print(f"  {share / 1e3:9.3f} ms {calls[name] // args.steps:5d}x  {name[:110]}")
+        print(f"  {us / runs / 1e3:9.3f} ms {calls[name] // runs:5d}x  {name[:110]}")
 
 
 if __name__ == "__main__":
