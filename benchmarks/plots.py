@@ -8,7 +8,9 @@ Reads the two JSON shapes the benchmarks write:
   ``implementation``, ``median_ms``, ``roofline_ms``, ``roofline_fraction``,
   ``speedup_vs_xla``, ...);
 - the combined file of ``benchmarks.run_all``: ``device`` and ``modules``, each module
-  either such a report or ``{"error": ...}``.
+  either such a report or ``{"error": ...}``;
+- several runs gathered in one file (e.g. one per model or mesh): ``runs``, a list of such
+  reports, read as modules ``<file stem>[i]``.
 
 ``python -m benchmarks.plots FILE_OR_DIR... [--out-dir DIR]`` writes one PNG per op,
 ``<json stem>_<op>.png`` (``nvidia_h200_ssd.png`` from ``nvidia_h200.json``). Rows are
@@ -96,7 +98,11 @@ def load(path: str | Path) -> list[Report]:
     if isinstance(payload.get("rows"), list):
         module = path.stem.removesuffix(f"_{slug(device)}")
         return [_report(path, module, payload, device)]
-    raise ValueError(f"{path}: not a benchmark result (no 'rows' and no 'modules')")
+    runs = payload.get("runs")
+    if isinstance(runs, list) and all(isinstance(r, dict) for r in runs):
+        module = path.stem.removesuffix(f"_{slug(device)}")
+        return [_report(path, f"{module}[{i}]", run, device) for i, run in enumerate(runs)]
+    raise ValueError(f"{path}: not a benchmark result (no 'rows', 'modules' or 'runs')")
 
 
 def load_all(paths: Iterable[str | Path]) -> tuple[list[Report], list[str]]:

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from benchmarks import attention as attention_benchmark
 from benchmarks import conv1d as conv1d_benchmark
 from benchmarks import model as model_benchmark
@@ -67,6 +69,22 @@ def test_model_benchmark_quick(tmp_path):
     assert {r["implementation"] for r in rows} == {"xla", "auto"}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["speedup_vs_xla"] > 0
+
+
+def test_plots_read_gathered_runs(tmp_path):
+    """A file of several runs gives one report per run, each with its own rows and
+    ceilings; a file of none of the shapes is refused."""
+    run = dict(title="t", ceilings=dict(copy_gbps=1.0, matmul_tflops=2.0))
+    rows = [dict(problem="p", implementation="auto", median_ms=1.0)]
+    path = tmp_path / "gathered.json"
+    path.write_text(json.dumps(dict(device="D", runs=[run | dict(rows=rows), run | dict(rows=[])])))
+    reports = plots.load(path)
+    assert [r.module for r in reports] == ["gathered[0]", "gathered[1]"]
+    assert reports[0].rows == tuple(rows) and reports[1].rows == ()
+    assert reports[0].device == "D" and reports[0].ceilings["copy_gbps"] == 1.0
+    (tmp_path / "other.json").write_text(json.dumps(dict(runs="no")))
+    with pytest.raises(ValueError, match="not a benchmark result"):
+        plots.load(tmp_path / "other.json")
 
 
 def test_run_all_quick_keeps_going_past_a_failing_module(tmp_path, monkeypatch):
