@@ -153,3 +153,34 @@ def fast_compile_env(environ: Mapping[str, str]) -> dict[str, str]:
     if jax.default_backend() == "cpu":
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
     return env
+
+
+def primitives_outside_kernels(jaxpr) -> set[str]:
+    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside pallas_calls:
+    what a backward pass computes outside its kernels."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= primitives_outside_kernels(inner)
+    return names
+
+
+def pallas_call_names(jaxpr) -> set[str]:
+    """The names of the pallas_calls in ``jaxpr`` and its sub-jaxprs."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.add(str(eqn.params.get("name_and_src_info", eqn.params.get("name"))))
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= pallas_call_names(inner)
+    return names

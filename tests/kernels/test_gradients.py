@@ -34,7 +34,9 @@ from tests.helpers import (
     implementations,
     lower_for_cuda,
     normal,
+    pallas_call_names,
     poison_tail,
+    primitives_outside_kernels,
     query_start_loc,
     spec,
 )
@@ -44,35 +46,6 @@ from tests.helpers import (
 FD_TOL = 1e-5
 # Pallas gradients against the xla path's jax.grad, fp32 (relative Frobenius error).
 XLA_TOL = 1e-5
-
-
-def _primitives_outside_kernels(jaxpr) -> set[str]:
-    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside pallas_calls."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _primitives_outside_kernels(inner)
-    return names
-
-
-def _pallas_call_names(jaxpr) -> set[str]:
-    names = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            names.add(str(eqn.params.get("name_and_src_info", eqn.params.get("name"))))
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _pallas_call_names(inner)
-    return names
 
 
 def _check_against_xla(grads, xla_grads, names):
@@ -183,9 +156,9 @@ def test_gated_rms_norm_triton_backward_runs_its_own_kernel():
         return jnp.sum(y * y)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, z, weight).jaxpr
-    kernels = " ".join(_pallas_call_names(jaxpr))
+    kernels = " ".join(pallas_call_names(jaxpr))
     assert "gated_rms_norm_bwd_gs6_rows2" in kernels
-    outside = _primitives_outside_kernels(jaxpr)
+    outside = primitives_outside_kernels(jaxpr)
     # The reference's statistics and gate (rsqrt, sigmoid) run nowhere but in kernels.
     assert not outside & {"rsqrt", "logistic", "reduce_max"}, outside
 
@@ -282,9 +255,9 @@ def test_causal_conv1d_triton_backward_runs_its_own_kernel():
         return jnp.sum(y * y) + jnp.sum(new_cache)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, weight, bias).jaxpr
-    kernels = " ".join(_pallas_call_names(jaxpr))
+    kernels = " ".join(pallas_call_names(jaxpr))
     assert "causal_conv1d_bwd_k4_bt4_bd8" in kernels
-    outside = _primitives_outside_kernels(jaxpr)
+    outside = primitives_outside_kernels(jaxpr)
     # The reference's SiLU (logistic) runs nowhere but in kernels (the kernels' own is an
     # exp2); what runs outside is the block table and the sums of the partial gradients.
     assert "logistic" not in outside, outside
@@ -393,10 +366,10 @@ def test_masked_tail_attention_triton_backward_runs_its_own_kernels():
         return jnp.sum(out * out)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v).jaxpr
-    kernels = " ".join(_pallas_call_names(jaxpr))
+    kernels = " ".join(pallas_call_names(jaxpr))
     assert "attention_bwd_dq_bq8_bk16_g2_d16" in kernels
     assert "attention_bwd_dkv_bq8_bk16_g2_d16" in kernels
-    outside = _primitives_outside_kernels(jaxpr)
+    outside = primitives_outside_kernels(jaxpr)
     # The reference's logits, softmax and products (einsum, exp) run nowhere but in kernels.
     assert not outside & {"dot_general", "exp", "exp2"}, outside
 
@@ -442,7 +415,7 @@ def test_write_kv_gradients(paged):
 
     # jax.grad drops the unused forward write: what is left is the backward's zeroing.
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(k_cache, v_cache, k, v).jaxpr
-    assert "write_kv_h2_d8" in _pallas_call_names(jaxpr)
+    assert "write_kv_h2_d8" in pallas_call_names(jaxpr)
 
 
 # --------------------------------------------------------------------------- lowering

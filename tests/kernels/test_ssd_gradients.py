@@ -27,7 +27,16 @@ from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.ssd import triton_backward as ssd_backward
 from pallas_kernels.testing import assert_close, ssd_oracle, vjp_errors
-from tests.helpers import as_f32, implementations, lower_for_cuda, normal, query_start_loc, spec
+from tests.helpers import (
+    as_f32,
+    implementations,
+    lower_for_cuda,
+    normal,
+    pallas_call_names,
+    primitives_outside_kernels,
+    query_start_loc,
+    spec,
+)
 
 IMPLS = implementations(ssd_api.SSD_SCAN)
 NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
@@ -384,35 +393,6 @@ def test_ssd_backward_head_splits_sum_to_the_same_gradients():
         assert_close(a, b, rtol=1e-6, name=name)
 
 
-def _primitives_outside_kernels(jaxpr) -> set[str]:
-    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside pallas_calls."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _primitives_outside_kernels(inner)
-    return names
-
-
-def _pallas_call_names(jaxpr) -> set[str]:
-    names = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            names.add(str(eqn.params.get("name_and_src_info", eqn.params.get("name"))))
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _pallas_call_names(inner)
-    return names
-
-
 def test_ssd_triton_backward_runs_its_own_kernels():
     primals, metadata, _ = _inputs(8)
 
@@ -421,10 +401,10 @@ def test_ssd_triton_backward_runs_its_own_kernels():
         return jnp.sum(y * y) + jnp.sum(states)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, tuple(range(9))))(*primals).jaxpr
-    kernels = " ".join(_pallas_call_names(jaxpr))
+    kernels = " ".join(pallas_call_names(jaxpr))
     for name in ("ssd_bwd_state_pass", "ssd_bwd_chunk_dx", "ssd_bwd_chunk_dbc"):
         assert name in kernels, kernels
-    outside = _primitives_outside_kernels(jaxpr)
+    outside = primitives_outside_kernels(jaxpr)
     # The reference's products (einsum) run nowhere but in kernels; outside are the small
     # per-chunk sums (a reverse cumsum), the dt chain rule and the metadata's searches.
     assert "dot_general" not in outside, outside
