@@ -84,7 +84,7 @@ lap("init")
 
 # Greedy generation through the Engine at tp=2 (chunked prefill, decode and mixed steps):
 # same tokens; generating again compiles nothing (the caches keep their shardings).
-prompts = [[1, 2, 3, 4, 5], [7] * 20, [9, 3]]
+prompts = [[1, 2, 3, 4, 5], [7] * 20, [9, 3]]  # the second holds one full 16-token block
 options = dict(max_slots=2, max_len=40, token_budget=16)
 single = load_hf_checkpoint("tests/fixtures/bamba", implementation="xla")
 sharded = load_hf_checkpoint("tests/fixtures/bamba", implementation="xla", mesh=mesh[2])
@@ -93,6 +93,10 @@ out["generate"] = [Engine(single, **options).generate(prompts, 6), engine.genera
 compiled = engine.compile_count
 out["generate"].append(engine.generate(prompts, 6))
 out["compiles"] = [compiled, engine.compile_count]
+# Prefix caching on the mesh: the prompts again after themselves hit their cached blocks
+# (pages and Mamba snapshots sharded like the caches) and give the same tokens.
+cached = Engine(sharded, **options, prefix_caching=True)  # blocks of one chunk (16)
+out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit_tokens"]]
 lap("engine")
 out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 
@@ -160,6 +164,12 @@ def test_engine_generates_the_single_device_tokens(results):
     assert sharded == single == again
     first, second = results["compiles"]
     assert second == first  # the second generation compiled nothing
+
+
+def test_engine_prefix_caching_on_a_mesh(results):
+    tokens, hit_tokens = results["prefix"]
+    assert tokens == results["generate"][0] * 2
+    assert hit_tokens > 0
 
 
 def test_configs_tp_cannot_split_name_the_field(results):
