@@ -132,7 +132,9 @@ def packed_loss_fn(
     Args:
       max_len: attention keys held per sequence, at least its longest sequence (static;
         default T, always enough). Keys past it would be dropped; a concrete
-        ``query_start_loc`` is checked.
+        ``query_start_loc`` is checked. The attention caches of the differentiated forward
+        hold ``B × max_len`` keys per layer: with many short sequences, pass the longest
+        sequence's length rather than the default.
     """
     tokens = jnp.asarray(tokens)
     qsl = jnp.asarray(query_start_loc, jnp.int32)

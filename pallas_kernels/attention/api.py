@@ -164,10 +164,13 @@ def _validate_batch(
     num_tokens: int,
     num_slots: int,
     cache_len: int,
+    writes: bool = False,
 ) -> None:
     """Host checks of the batch data. Paged (``block_table`` given): ``num_slots`` is the
     pool's ``num_blocks``, ``cache_len`` its ``block_size``; every table entry a live
-    sequence needs (``j < cdiv(kv_lens[b], block_size)``) must name a page of the pool."""
+    sequence needs (``j < cdiv(kv_lens[b], block_size)``) must name a page of the pool.
+    ``writes`` (``write_kv``): no two tokens may write the same page row (sequences share
+    pages only to read them; two writers would race)."""
     qsl = checks.validate_query_start_loc(query_start_loc, num_tokens)
     lens = checks.host_values("kv_lens", kv_lens)
     q_len = np.diff(qsl)
@@ -197,6 +200,19 @@ def _validate_batch(
                 f"got {table[rows, cols].tolist()} at (sequence, block) "
                 f"{list(zip(rows.tolist(), cols.tolist(), strict=True))}"
             )
+        if writes:
+            seqs = [b for b in range(len(lens)) if slots[b] >= 0]
+            positions = [(b, p) for b in seqs for p in range(lens[b] - q_len[b], lens[b])]
+            rows_written = [(int(table[b, p // cache_len]), p % cache_len) for b, p in positions]
+            if len(set(rows_written)) != len(rows_written):
+                seen: dict[tuple[int, int], int] = {}
+                for (b, _), row in zip(positions, rows_written, strict=True):
+                    if row in seen:
+                        raise ValueError(
+                            f"block_table: sequences {seen[row]} and {b} both write page "
+                            f"{row[0]} row {row[1]}; pages may be shared only to be read"
+                        )
+                    seen[row] = b
 
 
 def masked_tail_attention(
@@ -342,7 +358,14 @@ def write_kv(
     checked_slot_ids, block_table = _check_batch(query_start_loc, kv_lens, slot_ids, block_table, S)
     if validate:
         _validate_batch(
-            query_start_loc, kv_lens, slot_ids, block_table, num_tokens=T, num_slots=S, cache_len=L
+            query_start_loc,
+            kv_lens,
+            slot_ids,
+            block_table,
+            num_tokens=T,
+            num_slots=S,
+            cache_len=L,
+            writes=True,
         )
     call = Call(
         (k_cache, v_cache, k, v),

@@ -65,7 +65,8 @@ def ssd_scan(
     Head ``h`` uses group ``h // (H // G)``. Semantics of vLLM's chunk-aligned
     ``mamba_chunk_scan_combined_varlen``. Differentiable (``jax.grad``, ``jax.vjp``) in x,
     dt, A, B, C, D, z, dt_bias and initial_states with every implementation; the Triton
-    backend through its own Pallas backward kernels (``ssd/triton_backward.py``).
+    backend through its own Pallas backward kernels (``ssd/triton_backward.py``), whose dA
+    and ddt assume ``dt' A <= 0`` (A < 0, dt' >= 0: every Mamba2 layer).
 
     Args:
       x: x[T, H, P] packed tokens (rows past ``query_start_loc[-1]`` give y = 0).

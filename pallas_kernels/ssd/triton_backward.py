@@ -37,6 +37,11 @@ total's terms (a reverse cumsum over ``[H, chunks, bcs]``), ``ddt' += A ∂a``,
 ``dA = Σ dt' ∂a``, the dt chain rule (bias, softplus, clamp) and the head splits of
 ``dB``/``dC``. All accumulation is fp32; exponents are clamped to <= 0 as in the forward;
 masks select. Rows past the chunks, and padding chunks, get zero gradients.
+
+The gradients assume decays ``exp(dt' A) <= 1`` (``dt' A <= 0``: A < 0 and dt' >= 0, as in
+every Mamba2 layer, whose A is ``-exp(A_log)`` and dt' a softplus or clamped at 0). Where
+``dt' A > 0`` the forward's clamp to ``exp(0)`` is active and its derivative 0, which the
+backward does not apply to dA and ddt (the other gradients stay exact).
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ from pallas_kernels.metadata import ChunkMetadata
 # A module import: ssd/triton.py imports this module for its custom_vjp.
 from pallas_kernels.ssd import triton as forward
 
-# Programs (per row block and head) that zero the gradient rows past the chunks.
+# Programs (per row block and head) that zero the gradient rows past the chunks (the
+# forward's ``_TAIL_PROGRAMS`` is the same count; it cannot be imported here: ssd/triton.py
+# imports this module while it is being initialised).
 _TAIL_PROGRAMS = 2
 
 
@@ -715,9 +722,13 @@ def ssd_scan_backward(
     if dt_bias is not None:
         v = v + dt_bias.astype(f32)
     pre = jnp.logaddexp(v, 0.0) if dt_softplus else v
-    # The clamp passes the gradient only where it is inactive.
-    inside = (pre >= dt_limit[0]) & (pre <= dt_limit[1])
-    ddt_raw = jnp.where(inside, ddt_prime, 0.0)
+    # The clamp passes the gradient where it is inactive, none where it is active, and half
+    # at a bound exactly (as jax.grad of the xla path's jnp.clip: min/max split ties).
+    lo, hi = dt_limit
+    passed = jnp.where(pre == lo, 0.5, (pre > lo).astype(f32)) * jnp.where(
+        pre == hi, 0.5, (pre < hi).astype(f32)
+    )
+    ddt_raw = ddt_prime * passed
     if dt_softplus:
         ddt_raw = ddt_raw * jax.nn.sigmoid(v)
 

@@ -408,6 +408,16 @@ def test_paged_arguments_are_checked():
             **kwargs | dict(block_table=np.full_like(batch.block_table, -1)),
             validate=True,
         )
+    # Two sequences may read one page but not write it: the GPU writes would race.
+    shared = batch.block_table.copy()
+    shared[1] = shared[0]
+    pk.masked_tail_attention(
+        batch.q, batch.k_pool, batch.v_pool, **kwargs | dict(block_table=shared), validate=True
+    )
+    with pytest.raises(ValueError, match="both write page"):
+        pk.write_kv(
+            batch.k_pool, batch.v_pool, k, k, **kwargs | dict(block_table=shared), validate=True
+        )
 
 
 # ------------------------------------------------------------------------------ write_kv

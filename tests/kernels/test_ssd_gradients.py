@@ -26,7 +26,7 @@ from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.ssd import triton_backward as ssd_backward
-from pallas_kernels.testing import assert_close, ssd_oracle, vjp_errors
+from pallas_kernels.testing import assert_close, relative_error, ssd_oracle, vjp_errors
 from tests.helpers import (
     as_f32,
     implementations,
@@ -229,6 +229,26 @@ def test_ssd_gradients_every_input(impl):
     np.testing.assert_array_equal(as_f32(grads[1])[clamped], 0.0)
     # The empty sequence's final state is its initial state: the cotangent passes as is.
     np.testing.assert_array_equal(as_f32(grads[8])[1], as_f32(cotangents[1])[1])
+
+
+def test_ssd_gradient_at_the_dt_limit_splits_as_xla():
+    """dt' exactly at a bound of dt_limit (no softplus): the clamp passes half the gradient
+    there, as jax.grad of the xla path's jnp.clip does; beyond it none, inside all."""
+    primals, metadata, _ = _inputs(6)
+    dt = np.asarray(primals[1]).copy()
+    dt[::3] = DT_LIMIT[0]  # a third of the tokens exactly at the lower bound
+    dt[1::3] = np.clip(dt[1::3], DT_LIMIT[0] + 0.05, DT_LIMIT[1] - 0.05)
+    primals = (primals[0], jnp.asarray(dt), *primals[2:7], None, primals[8])
+    live = tuple(p is not None for p in primals)
+    dy = normal(np.random.default_rng(7), primals[0].shape)
+    cotangents = (dy, jnp.zeros_like(primals[8]))
+    options = dict(dt_softplus=False, dt_limit=DT_LIMIT)
+    got, want = (
+        _grads(impl, metadata, primals, cotangents, live, **options)[1]
+        for impl in ("triton", "xla")
+    )
+    assert relative_error(got, want) <= XLA_TOL
+    assert np.any(as_f32(want)[::3] != 0.0)  # the tie passes a gradient (half of it)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
