@@ -3,8 +3,11 @@ a prefix cache.
 
 ``PYTHONPATH=. python3 -m benchmarks.prefix [--out prefix.json] [--quick]``. Two traces,
 each run twice on one engine (``Engine(prefix_caching=True)``; the uncached run switches
-lookups off with ``use_prefix_cache(False)``, same compiled programs, so both runs time the
-same kernels and only the work skipped differs):
+lookups and publishing off with ``use_prefix_cache(False)``, same compiled programs, so
+both runs time the same kernels and only the work skipped differs). The uncached run is a
+baseline of the lookups, not an engine built without prefix caching: its Mamba prefill
+still runs the snapshot path (every chunk's state kept, the snapshot gathers and scatters
+run, writing no entry), which a ``prefix_caching=False`` engine's plain scan does not:
 
 - ``shared-prefix``: 64 requests arriving together, one 4096-token prefix (16 blocks of
   256) and a unique 128-token suffix each, one generated token (time to first token is

@@ -182,6 +182,15 @@ class Engine:
             max_slots * max_blocks if num_kv_blocks is None else num_kv_blocks,
             low=1,
         )
+        if num_prefix_snapshots is not None and not (prefix_caching and has_mamba):
+            raise ValueError(
+                f"num_prefix_snapshots={num_prefix_snapshots!r} needs "
+                + (
+                    "prefix_caching=True"
+                    if not prefix_caching
+                    else "a model with Mamba layers (this one has none: leave it None)"
+                )
+            )
         num_snapshots = 0
         if prefix_caching and has_mamba:
             num_snapshots = check_int(
@@ -408,7 +417,7 @@ class Engine:
                 )
                 if full:
                     break
-                if not self.blocks.wants_snapshot(tokens, seq.keys, block):
+                if not self.blocks.wants_snapshot(seq.keys, block):
                     continue
                 entry = self.blocks.take_snapshot()
                 if entry is None:
@@ -483,8 +492,13 @@ class Engine:
 
     def use_prefix_cache(self, enabled: bool) -> None:
         """Switches lookups and publishing on or off (between generations) in an engine
-        built with ``prefix_caching=True``, on the same compiled programs: off, it computes
-        every prompt whole, as an engine without caching (A/B measurements)."""
+        built with ``prefix_caching=True``, on the same compiled programs (A/B
+        measurements of the lookups). Off, every prompt is computed whole and nothing is
+        published or saved, but the steps stay those of a caching engine: the Mamba prefill
+        still runs the snapshot path (the scan keeps every chunk's state, and the
+        snapshot gathers and scatters run, writing no entry), and the caches keep their
+        snapshot pools. So off is not an engine built without ``prefix_caching``, whose
+        prefill is the plain scan."""
         if not self.prefix_caching:
             raise ValueError("use_prefix_cache needs an engine built with prefix_caching=True")
         self.clear_prefix_cache()
@@ -618,6 +632,7 @@ class Engine:
         free_on_entry = list(self._free_slots)
         for slot in free_on_entry:  # pages direct ``step`` calls left in free slots
             self.blocks.release(slot)
+        taken: dict[int, dict[int, int]] = {}  # this step's snapshot entries, not published
         try:
             while waiting or running:
                 while waiting and self._free_slots:
@@ -670,16 +685,24 @@ class Engine:
                     )
                 except BaseException:
                     self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
+                    taken = {}
                     raise
                 tokens = np.asarray(tokens)
-                for (seq, count), row in zip(fed, rows, strict=True):
+                # Every fed sequence's bookkeeping (its computed tokens, restore and the
+                # blocks and snapshots of this step) is done before the first event is
+                # yielded: the consumer may stop at any yield (close(), break, an exception
+                # in ``stop``), and no snapshot taken for this step may be left unpublished.
+                for seq, count in fed:
                     start = seq.num_computed
                     seq.num_computed += count
                     if seq.restore is not None:
                         self.blocks.restored(seq.slot)
                         seq.restore = None
                     if self.blocks.prefix_caching:
-                        self._publish(seq, start, taken.get(seq.index, {}))
+                        self._publish(seq, start, taken.pop(seq.index, {}))
+                self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
+                taken = {}  # (none was left: every entry is a fed sequence's)
+                for (seq, _), row in zip(fed, rows, strict=True):
                     if not seq.prompt_done:
                         continue
                     token = int(tokens[row])
@@ -696,6 +719,7 @@ class Engine:
                         self.release_slot(seq.slot)
                     yield TokenEvent(seq.index, token, reason)
         finally:
+            self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
             for seq in running:
                 self.blocks.release(seq.slot)
             self._free_slots = free_on_entry
@@ -721,7 +745,8 @@ class Engine:
             for key in r.keys[r.num_computed // bs : len(r.prompt) // bs]
         }
         for seq in waiting:
-            keys = block_keys(seq.prompt, bs, (len(seq.prompt) - 1) // bs, seq.keys)
+            usable = (len(seq.prompt) - 1) // bs  # seq.keys may hold more (a failed admit)
+            keys = block_keys(seq.prompt, bs, usable, seq.keys)[:usable]
             hit, _ = self.blocks.lookup(seq.prompt, keys)
             if hit == len(keys) or keys[hit] not in in_flight:
                 return seq

@@ -8,9 +8,12 @@ given back when it ends, so memory follows the tokens held, not ``max_len``.
 With prefix caching, every full block a sequence computes is *published* under a hash
 chain of its tokens, ``key_i = hash((key_{i-1}, tokens of block i))``, so a key names the
 whole prefix up to the end of its block. A new prompt walks its own chain and takes the
-longest run of published blocks: their pages are shared (reference counts; a shared page
-is full and never written again), and the Mamba conv/SSM state at the end of the run comes
-from a *snapshot* saved when the block was computed. Snapshots are large (H·P·N·4 bytes
+longest run of published blocks whose tokens are its own, each published under the block
+it matched before (a block holds its parent block itself, not its key, so a hash
+collision, or a key published again after its block left the cache, is a miss): their
+pages are shared (reference counts; a shared page is full and never written again), and
+the Mamba conv/SSM state at the end of the run comes from a *snapshot* saved when the
+block was computed. Snapshots are large (H·P·N·4 bytes
 per Mamba layer), so they live in a bounded pool of their own and a block may lack one; a
 hit ends at the deepest block of the run that has one (models without Mamba layers need
 none). Example, block size 4, a cached prompt ``a b c d | e f g h | i j k l``::
@@ -25,9 +28,11 @@ and recomputes it from the snapshot before it, which keeps the states exact).
 
 Eviction is LRU in both pools. A published page nobody holds stays cached until a page is
 needed and none is free; then the least recently released one goes (its block, and its
-snapshot, leave the cache; blocks below it stay but are unreachable until it is
-published again). A snapshot a waiting sequence will restore is pinned until its step
-has run.
+snapshot, leave the cache). A sequence gives its pages back deepest block first, so a
+chain is evicted from its end and what stays of it is still reachable (a block whose
+parent left the cache can no longer be hit). A snapshot a waiting sequence will restore
+is pinned until its step has run; one taken for a step and not yet published or given
+back is outstanding, and ``clear_cache`` leaves it out of the free list.
 
 Admission reserves every page a sequence can need (prompt + new tokens − 1 keys), so a
 running sequence never waits for a page: the engine admits a request only when the pool
@@ -57,11 +62,13 @@ def block_keys(
     return keys
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Block:
-    """A published block: its page, and the snapshot of the state at its end (or None)."""
+    """A published block: the published block before it in its chain (None for a first
+    block; compared by identity), its tokens, its page, and the snapshot of the state at
+    its end (or None)."""
 
-    parent: int | None
+    parent: _Block | None
     tokens: tuple[int, ...]
     page: int
     snapshot: int | None = None
@@ -130,10 +137,16 @@ class BlockManager:
         # Snapshots holding a block's state, least recently used first.
         self._snapshot_block: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._pinned: dict[int, int] = {}  # slot -> snapshot it will restore
+        # Snapshots taken for a step, not yet published or given back.
+        self._outstanding: set[int] = set()
+        # Each slot's published blocks, in order, as far as the sequence there matched or
+        # published them (None: a block it could not publish); the parents of its next.
+        self._chains: list[list[_Block | None]] = [[] for _ in range(self.tables.shape[0])]
 
     def clear_cache(self) -> None:
         """Forgets every published block and snapshot (pages held by running sequences
-        stay theirs). Not while a restore is pending."""
+        stay theirs; snapshots taken for a step and not yet published or given back stay
+        out of the free list). Not while a restore is pending."""
         if self._pinned:
             raise RuntimeError("a sequence waits to restore a snapshot; clear between runs")
         self._free.extend(self._evictable)
@@ -141,7 +154,9 @@ class BlockManager:
         self._blocks.clear()
         self._page_block.clear()
         self._snapshot_block.clear()
-        self._free_snapshots = collections.deque(range(self.num_snapshots))
+        self._free_snapshots = collections.deque(
+            s for s in range(self.num_snapshots) if s not in self._outstanding
+        )
 
     # ------------------------------------------------------------------------ counts
 
@@ -158,6 +173,11 @@ class BlockManager:
     def num_free_snapshots(self) -> int:
         return len(self._free_snapshots)
 
+    @property
+    def num_cached_snapshots(self) -> int:
+        """Snapshots holding a published block's state."""
+        return len(self._snapshot_block)
+
     def slot_pages(self, slot: int) -> list[int]:
         return list(self._pages[slot])
 
@@ -172,21 +192,29 @@ class BlockManager:
         """``(blocks, snapshot)`` of the longest usable cached prefix of ``tokens`` (whose
         chain is ``keys``, at least ``(len(tokens) - 1) // block_size`` long); touches
         nothing."""
+        return self._lookup(tokens, keys)[:2]
+
+    def _lookup(
+        self, tokens: Sequence[int], keys: list[int]
+    ) -> tuple[int, int | None, list[_Block]]:
+        """``lookup``, and the matched blocks of the hit."""
         if not self.prefix_caching:
-            return 0, None
+            return 0, None, []
         bs, best, snapshot, parent = self.block_size, 0, None, None
+        chain: list[_Block] = []
         for i in range((len(tokens) - 1) // bs):
             block = self._blocks.get(keys[i])
             if (
                 block is None
-                or block.parent != parent
+                or block.parent is not parent
                 or block.tokens != tuple(tokens[i * bs : (i + 1) * bs])
             ):
                 break  # a hash collision counts as a miss
+            chain.append(block)
             if not self.needs_state or block.snapshot is not None:
                 best, snapshot = i + 1, block.snapshot
-            parent = keys[i]
-        return best, snapshot
+            parent = block
+        return best, snapshot, chain[:best]
 
     def admit(
         self, slot: int, tokens: Sequence[int], keys: list[int], max_tokens: int
@@ -196,8 +224,8 @@ class BlockManager:
         None (nothing changed) when the pool cannot hold the reservation now."""
         if self._pages[slot]:
             raise ValueError(f"slot {slot} holds pages; release it first")
-        hit, snapshot = self.lookup(tokens, keys)
-        pages = [self._blocks[keys[i]].page for i in range(hit)]
+        hit, snapshot, chain = self._lookup(tokens, keys)
+        pages = [block.page for block in chain]
         need = -(-max_tokens // self.block_size) - hit
         unheld = sum(1 for page in pages if self._refs[page] == 0)  # leave the evictable set
         if self.num_free_pages - unheld - int(self._reserved.sum()) < need:
@@ -206,6 +234,7 @@ class BlockManager:
             self._refs[page] += 1
             self._evictable.pop(page, None)
         self._pages[slot] = pages
+        self._chains[slot] = list(chain)
         self.tables[slot, :hit] = pages
         self.version += 1
         self._reserved[slot] = need
@@ -244,8 +273,10 @@ class BlockManager:
 
     def release(self, slot: int) -> None:
         """Gives back slot ``slot``'s pages, reservation and pin; published pages nobody
-        holds stay cached (most recently released last in the LRU order)."""
-        for page in self._pages[slot]:
+        holds stay cached (most recently released last in the LRU order, deepest block
+        first: a chain is evicted from its end)."""
+        self._chains[slot] = []
+        for page in reversed(self._pages[slot]):
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if page in self._page_block:
@@ -272,7 +303,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------------ publishing
 
-    def wants_snapshot(self, tokens: Sequence[int], keys: list[int], block: int) -> bool:
+    def wants_snapshot(self, keys: list[int], block: int) -> bool:
         """Whether the state at the end of ``block`` should be saved: prefix caching of a
         model with Mamba state, and no snapshot of this block cached yet."""
         if not (self.prefix_caching and self.needs_state and self.num_snapshots):
@@ -283,21 +314,26 @@ class BlockManager:
     def take_snapshot(self) -> int | None:
         """A free snapshot entry (evicting the least recently used unpinned one), or None."""
         if self._free_snapshots:
-            return self._free_snapshots.popleft()
+            snapshot = self._free_snapshots.popleft()
+            self._outstanding.add(snapshot)
+            return snapshot
         pinned = set(self._pinned.values())
         for snapshot, key in self._snapshot_block.items():
             if snapshot not in pinned:
                 del self._snapshot_block[snapshot]
                 self._blocks[key].snapshot = None
                 self.evicted_snapshots += 1
+                self._outstanding.add(snapshot)
                 return snapshot
         return None
 
     def give_back_snapshots(self, snapshots: Sequence[int]) -> None:
-        """Returns snapshot entries taken for a step that did not run (entries already
-        free, e.g. after a ``reset``, stay listed once)."""
-        free = set(self._free_snapshots)
-        self._free_snapshots.extend(s for s in snapshots if s not in free)
+        """Returns snapshot entries taken for a step that did not run or saved nothing
+        kept (entries not outstanding, e.g. after a ``reset``, are left alone)."""
+        for snapshot in snapshots:
+            if snapshot in self._outstanding:
+                self._outstanding.discard(snapshot)
+                self._free_snapshots.append(snapshot)
 
     def publish(
         self,
@@ -309,25 +345,32 @@ class BlockManager:
     ) -> None:
         """Publishes full ``blocks`` of the sequence in ``slot`` (``tokens``, chain
         ``keys``) with the snapshots saved at their ends (block -> entry; entries not kept
-        go back to the free pool)."""
-        bs = self.block_size
+        go back to the free pool). A block is published under the block its sequence
+        matched or published before it; one whose key holds another chain's block (a hash
+        collision), or whose parent is unknown or left the cache, is not."""
+        bs, chain = self.block_size, self._chains[slot]
         for i in blocks:
             snapshot = snapshots.get(i)
             page, key = self._pages[slot][i], keys[i]
-            parent = keys[i - 1] if i else None
+            parent = chain[i - 1] if 0 < i <= len(chain) else None
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            cached = self._blocks.get(key)
-            if cached is None and page not in self._page_block:
-                cached = self._blocks[key] = _Block(parent, block_tokens, page)
-                self._page_block[page] = key
-            keep = (
-                snapshot is not None
-                and cached is not None
-                and cached.snapshot is None
-                and (cached.parent, cached.tokens) == (parent, block_tokens)
-            )
-            if keep:
+            cached = None
+            # Its parent still cached (not evicted, not cleared): else it is unreachable.
+            if i == 0 or (parent is not None and self._blocks.get(keys[i - 1]) is parent):
+                cached = self._blocks.get(key)
+                if cached is None:  # the sequence's own page, never published before
+                    cached = self._blocks[key] = _Block(parent, block_tokens, page)
+                    self._page_block[page] = key
+                elif cached.parent is not parent or cached.tokens != block_tokens:
+                    cached = None  # a collision: another chain's block
+            del chain[i:]
+            chain.extend([None] * (i - len(chain)))
+            chain.append(cached)
+            if snapshot is None:
+                continue
+            if cached is not None and cached.snapshot is None:
+                self._outstanding.discard(snapshot)
                 cached.snapshot = snapshot
                 self._snapshot_block[snapshot] = key
-            elif snapshot is not None:
-                self._free_snapshots.append(snapshot)
+            else:
+                self.give_back_snapshots([snapshot])

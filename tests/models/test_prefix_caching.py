@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
+from flax import nnx
 
 from flax_models.batching import Request
 from flax_models.cache import MambaCache, ParallelCache
-from flax_models.engine import Engine
+from flax_models.config import HybridConfig
+from flax_models.engine import Engine, _Sequence
+from flax_models.model import HybridLM
 from flax_models.serving.prefix_cache import BlockManager, block_keys
+from flax_models.serving.sampling import SamplingParams
 from pallas_kernels.testing import assert_close
 from tests.models.test_engine import backend_compiles, model, random_prompts
 
@@ -194,11 +200,70 @@ def test_snapshots_are_the_states_at_block_ends():
         (dict(kv_block_size=24, prefix_caching=True), "multiple of the Mamba chunk size"),
         (dict(num_kv_blocks=0), "num_kv_blocks"),
         (dict(prefix_caching=True, num_prefix_snapshots=0), "num_prefix_snapshots"),
+        (dict(num_prefix_snapshots=4), "num_prefix_snapshots=4 needs prefix_caching=True"),
     ],
 )
 def test_paging_settings_are_checked(options, match):
     with pytest.raises(ValueError, match=match):
         Engine(model("bamba"), **(SMALL | options))
+
+
+def test_snapshots_are_refused_for_a_model_without_mamba_layers():
+    attention_only = HybridLM(HybridConfig.tiny(layer_pattern="*"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_prefix_snapshots=4 needs a model with Mamba"):
+        Engine(attention_only, **SMALL, prefix_caching=True, num_prefix_snapshots=4)
+
+
+def _snapshots_accounted(blocks: BlockManager) -> bool:
+    """Every snapshot entry is free or a published block's, once."""
+    return blocks.num_free_snapshots + blocks.num_cached_snapshots == blocks.num_snapshots
+
+
+def test_a_stream_stopped_within_a_step_leaves_no_snapshot_behind():
+    """Two 19-token prompts, 12-token budget: the third step decodes request 0 and takes a
+    snapshot for request 1's block end; the stream stops at request 0's event of that step
+    (close, or the stop callback raising) before request 1's event."""
+    cached = cached_engine("bamba")
+    bs = cached.block_size
+    prompts = random_prompts(np.random.default_rng(7), cached.cfg.vocab_size, (bs + 3, bs + 3))
+    sampling = SamplingParams(max_new_tokens=3)
+    for events in range(1, 5):
+        cached.clear_prefix_cache()
+        stream = cached.stream(prompts, sampling)
+        for _ in range(events):
+            next(stream)
+        stream.close()
+        assert _snapshots_accounted(cached.blocks), events
+        assert cached.blocks.num_free_pages == cached.blocks.num_pages
+
+    calls = []
+
+    def stop(index, token):
+        calls.append(index)
+        if len(calls) == 2:
+            raise RuntimeError("stop callback failed")
+        return False
+
+    cached.clear_prefix_cache()
+    with pytest.raises(RuntimeError, match="stop callback failed"):
+        list(cached.stream(prompts, sampling, stop=stop))
+    assert _snapshots_accounted(cached.blocks)
+    assert cached.blocks.num_free_pages == cached.blocks.num_pages
+
+
+def test_a_waiting_prompt_ignores_keys_past_its_usable_blocks():
+    """A one-block prompt has no block to hit (its last token must run): it never waits
+    for a running prompt computing that block, whatever keys an earlier admission attempt
+    left in its chain."""
+    cached = cached_engine("bamba")
+    bs = cached.block_size
+    cached.clear_prefix_cache()
+    long = random_prompts(np.random.default_rng(8), cached.cfg.vocab_size, (2 * bs + 1,))[0]
+    running = _Sequence(0, long, SamplingParams(), frozenset())
+    block_keys(long, bs, 2, running.keys)  # computing blocks 0 and 1 now
+    waiting = _Sequence(1, long[:bs], SamplingParams(), frozenset())
+    block_keys(waiting.prompt, bs, 1, waiting.keys)  # what a failed ``_admit`` leaves
+    assert cached._next_admissible(collections.deque([waiting]), [running]) is waiting
 
 
 def test_pages_grow_with_the_sequence_and_come_back():
@@ -211,6 +276,71 @@ def test_pages_grow_with_the_sequence_and_come_back():
     assert uncached.blocks.num_free_pages == uncached.blocks.num_pages
     uncached.generate([[5] * (bs + 1)], 3)
     assert uncached.blocks.num_free_pages == uncached.blocks.num_pages
+
+
+def _block_manager(num_pages: int, *, num_snapshots: int = 0) -> BlockManager:
+    return BlockManager(
+        num_pages=num_pages,
+        block_size=2,
+        num_slots=2,
+        max_blocks=4,
+        num_snapshots=num_snapshots,
+        prefix_caching=True,
+        needs_state=bool(num_snapshots),
+    )
+
+
+def test_a_chain_is_evicted_from_its_deepest_block():
+    blocks = _block_manager(4)
+    tokens = list(range(7))  # three blocks and a token
+    keys = block_keys(tokens, 2, 3)
+    blocks.admit(0, tokens, keys, 7)
+    blocks.ensure(0, 7)
+    blocks.publish(0, tokens, keys, range(3), {})
+    blocks.release(0)
+    other = [50, 51, 52]  # two pages: the free one and one evicted
+    blocks.admit(1, other, block_keys(other, 2, 1), 3)
+    blocks.ensure(1, 3)
+    assert blocks.evicted_pages == 1 and blocks.num_cached_blocks == 2
+    assert blocks.lookup(tokens, keys) == (2, None)  # blocks 0 and 1 are still a chain
+
+
+def test_a_block_is_hit_only_under_the_parent_it_was_published_under():
+    """Block [3, 4] was published after [1, 2]; [1, 2] leaves the cache and its key is
+    published again for [7, 8] (a hash collision, forced): [7, 8, 3, 4] hits one block."""
+    blocks = _block_manager(3)
+    a = [1, 2, 3, 4, 5]
+    keys_a = block_keys(a, 2, 2)
+    blocks.admit(0, a, keys_a, 5)
+    blocks.ensure(0, 5)
+    blocks.publish(0, a, keys_a, range(2), {})
+    root_page = blocks.slot_pages(0)[0]
+    blocks.release(0)
+    blocks._evictable.move_to_end(root_page, last=False)  # the root goes first
+    b, keys_b = [7, 8, 9], keys_a[:1]
+    blocks.admit(1, b, keys_b, 3)
+    blocks.ensure(1, 3)
+    blocks.publish(1, b, keys_b, range(1), {})
+    blocks.release(1)
+    assert blocks.lookup([7, 8, 3, 4, 6], keys_a) == (1, None)
+
+
+def test_clearing_keeps_snapshots_taken_for_a_step_out_of_the_free_list():
+    blocks = _block_manager(2, num_snapshots=2)
+    taken = blocks.take_snapshot()
+    blocks.clear_cache()  # (a stream suspended between taking and publishing)
+    assert blocks.num_free_snapshots == 1
+    other = blocks.take_snapshot()
+    assert other != taken and blocks.take_snapshot() is None
+    tokens = [1, 2, 3]
+    keys = block_keys(tokens, 2, 1)
+    blocks.admit(0, tokens, keys, 3)
+    blocks.ensure(0, 3)
+    blocks.publish(0, tokens, keys, range(1), {0: taken})
+    blocks.give_back_snapshots([other, other])
+    assert blocks.snapshot_of(keys[0]) == taken
+    assert _snapshots_accounted(blocks) and blocks.num_free_snapshots == 1
+    blocks.release(0)
 
 
 def test_block_manager_shares_reserves_and_evicts_least_recently_released():
