@@ -37,6 +37,18 @@ def silu(v: jax.Array) -> jax.Array:
     return v * jax.nn.sigmoid(v)
 
 
+def silu_grad(v: jax.Array) -> jax.Array:
+    """``d silu(v) / dv = s (1 + v (1 - s))``, ``s = sigmoid(v)``."""
+    s = jax.nn.sigmoid(v)
+    return s * (1.0 + v * (1.0 - s))
+
+
+def decay_factor(exponent: jax.Array) -> jax.Array:
+    """``exp(exponent)`` of an SSM decay exponent, clamped to <= 0: a decay never grows
+    (an exponent above 0 comes only from bad data or rounding, and would overflow)."""
+    return jnp.exp(jnp.minimum(exponent, 0.0))
+
+
 def checked_slots(slot_ids: jax.Array, num_slots: int) -> jax.Array:
     """Slot ids with anything outside ``[0, S)`` (padding's -1, bad data) mapped to -1:
     such rows read and write nothing. The api applies it to every call

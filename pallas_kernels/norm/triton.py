@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import silu
+from pallas_kernels._common import silu, silu_grad
 from pallas_kernels._pallas import block_dim, compiler_params
 from pallas_kernels.backend import device_num_sms, pallas_dtypes
 
@@ -105,12 +105,6 @@ def _forward(x, z, weight, *, group_size, eps, norm_before_gate, config, interpr
     )(x, z, weight)
 
 
-def _silu_grad(z: jax.Array) -> jax.Array:
-    """``d silu(z) / dz = s (1 + z (1 - s))``, ``s = sigmoid(z)``."""
-    s = jax.nn.sigmoid(z)
-    return s * (1.0 + z * (1.0 - s))
-
-
 def _backward_kernel(
     x_ref,  # [T, Dm]
     z_ref,  # [T, Dm] or None
@@ -155,10 +149,10 @@ def _backward_kernel(
             dx = du
         elif norm_before_gate:
             dx = du
-            dz = dy * n * w[None, :] * _silu_grad(z)
+            dz = dy * n * w[None, :] * silu_grad(z)
         else:
             dx = du * gate
-            dz = du * x * _silu_grad(z)
+            dz = du * x * silu_grad(z)
         plgpu.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=tile)
         if dz_ref is not None:
             plgpu.store(dz_ref.at[rows, cols], dz.astype(dz_ref.dtype), mask=tile)

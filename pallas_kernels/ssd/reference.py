@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import matmul_precision, process_dt, silu
+from pallas_kernels._common import decay_factor, matmul_precision, process_dt, silu
 from pallas_kernels.metadata import ChunkMetadata
 
 
@@ -81,7 +81,7 @@ def ssd_scan(
 
     def own_state(xc, Bc, dt_c, cum_c, cum_last_c):
         """3) The chunk's state from a zero start: Σ_j exp(cum_last − cum_j) dt_j x_j ⊗ B_j."""
-        weight = jnp.exp(jnp.minimum(cum_last_c[None, :] - cum_c, 0.0)) * dt_c  # [cs, H]
+        weight = decay_factor(cum_last_c[None, :] - cum_c) * dt_c  # [cs, H]
         xw = grouped(xc * weight[..., None])  # [cs, G, R, P]
         state = jnp.einsum("sgn,sgrp->grpn", Bc, xw, precision=precision)
         return state.reshape(num_heads, head_dim, state_dim)
@@ -106,7 +106,7 @@ def ssd_scan(
         y = jnp.where(grouped(seen), jnp.nan, y)
         before_g = before.reshape(num_groups, heads_per_group, head_dim, state_dim)
         carried = jnp.einsum("lgn,grpn->lgrp", Cc, before_g, precision=precision)
-        y = y + carried * grouped(jnp.exp(jnp.minimum(cum_c, 0.0)))[..., None]
+        y = y + carried * grouped(decay_factor(cum_c))[..., None]
         y = y.reshape(cs, num_heads, head_dim)
         if D is not None:
             y = y + D.astype(f32).reshape(num_heads, -1) * xc
@@ -123,7 +123,7 @@ def ssd_scan(
     if initial_states is None:
         initial_states = jnp.zeros((num_seqs, num_heads, head_dim, state_dim), f32)
     initial_states = initial_states.astype(f32)
-    chunk_decay = jnp.exp(jnp.minimum(cum_last, 0.0))  # [nc, H]
+    chunk_decay = decay_factor(cum_last)  # [nc, H]
 
     def chunk_step(carry, chunk):
         state, y_tokens, finals = carry

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import process_dt, silu
+from pallas_kernels._common import decay_factor, process_dt, silu
 from pallas_kernels._pallas import (
     MIN_DOT_DIM,
     block_dim,
@@ -179,7 +179,7 @@ def _state_scan_kernel(
             other=0.0,
         )
         # Weighting x (P columns) rather than B (N >= P columns) halves the elementwise work.
-        weight = jnp.exp(jnp.minimum(end - cum, 0.0)) * dt  # decay to the step's end
+        weight = decay_factor(end - cum) * dt  # decay to the step's end
         x_weighted = (x.astype(jnp.float32) * weight[:, None]).astype(x.dtype)
 
         @pl.when(row0 == 0)
@@ -187,7 +187,7 @@ def _state_scan_kernel(
             # Stored in the dtype the chunk scan's tensor-core dot takes it in.
             carried_ref[c, h, :, :] = state.astype(carried_ref.dtype)
 
-        decay = jnp.exp(jnp.minimum(end - prefix, 0.0))
+        decay = decay_factor(end - prefix)
         state = decay * state + dot(x_weighted, B.astype(x.dtype), trans_a=True)  # [bp, bn]
         last_step = row0 == bcs - block_t
         if intermediate:
@@ -307,7 +307,7 @@ def _chunk_scan_kernel(
             # fp32 under differentiation (the backward's residual), else already C's dtype.
             carried = carried_ref[c, h, :, :].astype(C_i.dtype)  # [bp, bn]
             # Off-diagonal part: the state entering the chunk, decayed to each row.
-            acc = dot(C_i, carried, trans_b=True) * jnp.exp(jnp.minimum(cum_i, 0.0))[:, None]
+            acc = dot(C_i, carried, trans_b=True) * decay_factor(cum_i)[:, None]
 
             # Column blocks left of the row block (every row sees all their columns), then
             # the ones on the diagonal, inside the chunk.
@@ -326,7 +326,7 @@ def _chunk_scan_kernel(
                 cum_j = cum_ref[h, c, pl.ds(col0, block_k)]
                 dt_j = dt_ref[h, c, pl.ds(col0, block_k)]
                 cb = cb_ref[c, g, pl.ds(row0, block_m), pl.ds(col0, block_k)].astype(jnp.float32)
-                decay = jnp.exp(jnp.minimum(cum_i[:, None] - cum_j[None, :], 0.0))
+                decay = decay_factor(cum_i[:, None] - cum_j[None, :])
                 weights = cb * decay * dt_j[None, :]
                 if diagonal:
                     weights = jnp.where(rows_i[:, None] >= rows_j[None, :], weights, 0.0)

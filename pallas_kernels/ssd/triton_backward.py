@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import decay_factor, silu, silu_grad
 from pallas_kernels._pallas import (
     MIN_DOT_DIM,
     compiler_params,
@@ -121,17 +122,6 @@ class Residuals(NamedTuple):
     y_ssm: jax.Array  # [T, H, P] fp32: y before the D skip and the z gate
 
 
-def _silu_parts(z: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(silu(z), silu'(z))`` in fp32."""
-    sig = jax.nn.sigmoid(z)
-    return z * sig, sig * (1.0 + z * (1.0 - sig))
-
-
-def _decay(v: jax.Array) -> jax.Array:
-    """``exp(v)`` of a decay exponent, clamped to <= 0 as the forward does."""
-    return jnp.exp(jnp.minimum(v, 0.0))
-
-
 # ------------------------------------------------------------- 1. reverse state passing
 
 
@@ -184,7 +174,7 @@ def _state_pass_kernel(
         c = first + num_chunks - 1 - i  # backwards along the sequence
         ds_out = ds + load_state(dstates_ref, c) if intermediate else ds
         ds_out_ref[c, h, :, :] = ds_out.astype(cdt)
-        decay_last = _decay(cum_ref[h, c, bcs - 1])  # cum past the end holds cum_last
+        decay_last = decay_factor(cum_ref[h, c, bcs - 1])  # cum past the end holds cum_last
         s_in = carried_ref[c, h, :, :]
         dlast_ref[h, c] = decay_last * jnp.sum(ds_out * s_in)
         start, end = cu_ref[c], cu_ref[c + 1]
@@ -197,14 +187,14 @@ def _state_pass_kernel(
             dy = plgpu.load(dy_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
             if z_ref is not None:
                 z = plgpu.load(z_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-                dy = dy * _silu_parts(z)[0]
+                dy = dy * silu(z)
                 plgpu.store(dyg_ref.at[at], dy.astype(dyg_ref.dtype), mask=mask)
             C = plgpu.load(
                 C_ref.at[pl.ds(start + row0, block_t), g, pl.ds(static_index(0), bn)],
                 mask=live[:, None] & n_live[None, :],
                 other=0.0,
             )
-            weight = _decay(cum_ref[h, c, pl.ds(row0, block_t)])
+            weight = decay_factor(cum_ref[h, c, pl.ds(row0, block_t)])
             dy_w = jnp.where(live[:, None], dy * weight[:, None], 0.0)
             return ds + dot(dy_w.astype(cdt), C.astype(cdt), trans_a=True)
 
@@ -280,7 +270,7 @@ def _chunk_dx_kernel(
         dy_out = tokens(dy_ref, row0, block_m, live_j).astype(jnp.float32)
         if z_ref is not None:
             z = tokens(z_ref, row0, block_m, live_j).astype(jnp.float32)
-            silu_z, dsilu_z = _silu_parts(z)
+            silu_z, dsilu_z = silu(z), silu_grad(z)
             dy_j = dy_out * silu_z
         else:
             dy_j = dy_out
@@ -292,7 +282,7 @@ def _chunk_dx_kernel(
         y = tokens(y_ssm_ref, row0, block_m, live_j).astype(jnp.float32)
 
         # The state's part: d s_out / d(dt'_j x_j) = exp(cum_last − cum_j) ds_out B_j.
-        g_state = dot(B_j, ds_out, trans_b=True) * _decay(cum_last - cum_j)[:, None]
+        g_state = dot(B_j, ds_out, trans_b=True) * decay_factor(cum_last - cum_j)[:, None]
         q = dt_j * jnp.sum(xf * g_state, axis=1)
 
         def g_block(i, g_acc, *, diagonal: bool):
@@ -306,7 +296,7 @@ def _chunk_dx_kernel(
             keep = live_i[:, None]
             if diagonal:
                 keep = keep & (rows_i[:, None] >= rows_j[None, :])
-            weights = jnp.where(keep, cb * _decay(cum_i[:, None] - cum_j[None, :]), 0.0)
+            weights = jnp.where(keep, cb * decay_factor(cum_i[:, None] - cum_j[None, :]), 0.0)
             return g_acc + dot(weights.astype(cdt), dy_i.astype(cdt), trans_a=True)
 
         # Row blocks overlapping the block's rows need the causal mask; later ones do not.
@@ -429,10 +419,10 @@ def _chunk_dbc_kernel(
             h = head0 + k
             cum_r = cum_ref[h, c, pl.ds(row0, block_m)]
             dt_r = dt_ref[h, c, pl.ds(row0, block_m)]
-            decay_r = _decay(cum_r)[:, None]
+            decay_r = decay_factor(cum_r)[:, None]
             dy_r = tokens(dyg_ref, h, row0, block_m, live_r).astype(jnp.float32) * decay_r
             dC = dC + dot(dy_r.astype(cdt), carried_ref[c, h, :, :].astype(cdt))
-            weight = _decay(cum_ref[h, c, bcs - 1] - cum_r) * dt_r
+            weight = decay_factor(cum_ref[h, c, bcs - 1] - cum_r) * dt_r
             x_r = tokens(x_ref, h, row0, block_m, live_r).astype(jnp.float32) * weight[:, None]
             dB = dB + dot(x_r.astype(cdt), ds_out_ref[c, h, :, :].astype(cdt))
             return dB, dC
@@ -455,7 +445,7 @@ def _chunk_dbc_kernel(
                 cum_r = cum_ref[h, c, pl.ds(row0, block_m)]
                 cum_j = cum_ref[h, c, pl.ds(col0, block_k)]
                 dt_j = dt_ref[h, c, pl.ds(col0, block_k)]
-                weight = _decay(cum_r[:, None] - cum_j[None, :]) * dt_j[None, :]
+                weight = decay_factor(cum_r[:, None] - cum_j[None, :]) * dt_j[None, :]
                 return dw + dot(dy_r, x_j, trans_b=True) * weight
 
             dw = jax.lax.fori_loop(
@@ -478,7 +468,7 @@ def _chunk_dbc_kernel(
                 cum_r = cum_ref[h, c, pl.ds(row0, block_m)]
                 cum_i = cum_ref[h, c, pl.ds(r0, block_k)]
                 dt_r = dt_ref[h, c, pl.ds(row0, block_m)]
-                weight = _decay(cum_i[None, :] - cum_r[:, None]) * dt_r[:, None]
+                weight = decay_factor(cum_i[None, :] - cum_r[:, None]) * dt_r[:, None]
                 return dw + dot(x_r, dy_i, trans_b=True) * weight
 
             dw = jax.lax.fori_loop(

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import (
+    decay_factor,
     matmul_precision,
     process_dt,
     silu,
@@ -44,7 +45,7 @@ def selective_state_update(
     state = state_cache[slot_gather_index(slot_ids)].astype(f32)  # [Bd, H, P, N]
     state = state.reshape(rows, num_groups, heads_per_group, head_dim, state_dim)
     dtp = process_dt(dt.astype(f32), dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    decay = jnp.exp(jnp.minimum(dtp * A.astype(f32), 0.0))  # [Bd, H]
+    decay = decay_factor(dtp * A.astype(f32))  # [Bd, H]
     decay = decay.reshape(rows, num_groups, heads_per_group)[..., None, None]
     dt_x = (dtp[..., None] * x.astype(f32)).reshape(rows, num_groups, heads_per_group, head_dim)
     state = decay * state + jnp.einsum("bgrp,bgn->bgrpn", dt_x, B.astype(f32), precision=precision)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import checked_slots, process_dt, silu
+from pallas_kernels._common import checked_slots, decay_factor, process_dt, silu
 from pallas_kernels._pallas import block_dim, compiler_params, static_index
 
 
@@ -83,7 +83,7 @@ def _kernel(
         dt = process_dt(
             dt_ref[r, h].astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit
         )
-        decay = jnp.exp(jnp.minimum(dt * A_ref[h], 0.0))
+        decay = decay_factor(dt * A_ref[h])
         x = plgpu.load(x_ref.at[r, h, pl.ds(p0, bp)], mask=p_live, other=0.0)
         x = x.astype(jnp.float32)
         B = plgpu.load(B_ref.at[r, g, pl.ds(static_index(0), bn)], mask=n_live, other=0.0)
