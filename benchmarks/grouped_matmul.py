@@ -193,7 +193,7 @@ def bench(p: Problem, ceilings: harness.Ceilings, *, quick: bool, sweep: bool) -
             try:
                 add("triton", config=config, config_name=str(config), sweep=True)
             except jax.errors.JaxRuntimeError as error:  # e.g. over the shared memory
-                print(f"note: {p.name}: {config} does not run ({str(error).splitlines()[0]})")
+                print(f"note: {p.name}: {config} does not run ({harness.failure_reason(error)})")
     return rows
 
 

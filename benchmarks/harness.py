@@ -182,6 +182,19 @@ def row(
     )
 
 
+def peak_bytes() -> int | None:
+    """The most memory device 0 has held so far (None where the backend keeps no stats;
+    with a mesh every device holds its shards, so device 0 stands for each)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def failure_reason(error: BaseException) -> str:
+    """The first line of an error (out of memory, a backend refusing the shapes): what a
+    benchmark prints for a row it cannot time, then goes on."""
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
 def add_speedups(rows: list[dict[str, Any]], baseline: str = "xla") -> None:
     """Adds ``speedup_vs_<baseline>`` to every row whose problem has a baseline row."""
     base = {r["problem"]: r["median_ms"] for r in rows if r["implementation"] == baseline}

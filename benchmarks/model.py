@@ -161,12 +161,6 @@ def _cost(
     return flops, float(bytes_moved)
 
 
-def _peak_bytes() -> int | None:
-    """The most memory device 0 has held (with a mesh every device holds its shards)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
-
-
 def _mesh(tp: int) -> jax.sharding.Mesh | None:
     """The first ``tp`` devices on one axis ``"tp"`` (None for one device: the unsharded
     model, not a one-device mesh)."""
@@ -284,7 +278,7 @@ def bench_model(
                         lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5
                     )
                 except jax.errors.JaxRuntimeError as error:  # e.g. out of device memory
-                    reason = str(error).splitlines()[0][:160]
+                    reason = harness.failure_reason(error)
                     print(f"note: {problem}: no {impl} row ({reason})", flush=True)
                     continue
                 tokens = arrays.num_tokens
@@ -303,7 +297,7 @@ def bench_model(
                         experts_touched=touched.get(case),
                         tokens=tokens,
                         tokens_per_s=tokens / (timing.median_ms * 1e-3),
-                        peak_bytes=_peak_bytes(),
+                        peak_bytes=harness.peak_bytes(),
                     )
                 )
                 print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)

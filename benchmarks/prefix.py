@@ -219,8 +219,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             later_hits_ok=shared["cached"]["min_later_prefix_hit"]
             >= (3840 if not args.quick else 0),
         )
-    stats = jax.devices()[0].memory_stats() or {}
-    result["peak_bytes"] = stats.get("peak_bytes_in_use")
+    result["peak_bytes"] = harness.peak_bytes()
     save()
     print(json.dumps(result.get("targets"), indent=1))
     return result

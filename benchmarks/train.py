@@ -142,7 +142,7 @@ def _time_or_note(label: str, fn: Callable[[], Any], **kwargs: Any) -> harness.T
     try:
         return harness.time_fn(fn, **kwargs)
     except Exception as error:  # noqa: BLE001 — any failure of one row is reported, not fatal
-        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        reason = harness.failure_reason(error)
         print(f"note: no {label} row ({type(error).__name__}: {reason})", flush=True)
         return None
 
@@ -398,7 +398,7 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
         try:  # compile and one step
             jax.block_until_ready(train_step(model, optimizer, ids))
         except Exception as error:  # noqa: BLE001 — reported, the other row still runs
-            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            reason = harness.failure_reason(error)
             print(f"note: no {name} {impl} row ({type(error).__name__}: {reason})", flush=True)
             del model, optimizer
             gc.collect()
@@ -430,7 +430,7 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
                     mfu_nominal=achieved / NOMINAL_BF16_TFLOPS,
                     nominal_tflops=NOMINAL_BF16_TFLOPS,
                     first_step_s=first_step_s,
-                    peak_bytes=_peak_bytes(),
+                    peak_bytes=harness.peak_bytes(),
                     remat=args.remat,
                     dtype=jnp.dtype(dtype).name,
                     **{k: v for k, v in cost.items() if k != "flops"},
@@ -438,11 +438,6 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
             )
         del model, optimizer
         gc.collect()
-
-
-def _peak_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
