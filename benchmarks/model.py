@@ -8,7 +8,10 @@ blocks, 128 experts top-6), ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers
 experts top-10 beside a shared MLP) and ``nemotron-h-56b`` (dense, 118 layers, 112 GB: two
 GPUs; decode at 1 and 64 rows only), one after the other. Rows, for each implementation in
 one run on the same weights: prefill tokens/s on 8 × 4096 and on a ragged batch, decode
-step latency at 1, 64 and 256 rows with 4k tokens of context, and peak device memory.
+step time at 1, 64 and 256 rows with 4k tokens of context, and peak device memory. Steps
+are launched back to back, the host not waiting for one before launching the next, as
+``Engine.stream`` runs them (it reads step n's tokens after launching step n + 1): a
+decode row's time is the time per output token of a long generation.
 ``--quick`` runs a tiny dense and a tiny MoE model.
 
 ``--mesh tp=1 tp=2`` runs every model once per mesh (the first N devices, one axis
@@ -275,7 +278,7 @@ def bench_model(
                 arrays = engine.builder.build(decode, prefill)
                 try:
                     timing = harness.time_fn(
-                        lambda a=arrays, e=engine: e.step(a), warmup=2, samples=5
+                        lambda a=arrays, e=engine: e.step(a, wait=False), warmup=2, samples=5
                     )
                 except jax.errors.JaxRuntimeError as error:  # e.g. out of device memory
                     reason = harness.failure_reason(error)

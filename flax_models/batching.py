@@ -11,6 +11,10 @@ from a bounded set of buckets, so ``jax.jit`` compiles one program per
 
 Every request is checked before anything is built, and a bad one raises ``ValueError``
 naming the request, so the engine never touches a cache for a batch it cannot run.
+
+A decode row's token may be ``FROM_DEVICE``: the token its slot sampled in the engine's
+last step, still on the device. The engine feeds a step from the one before it that way
+before the host has read that step's tokens (``Engine.stream`` runs one step ahead).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 
 import pallas_kernels as pk
+
+# A decode row's token id meaning "the token this slot sampled last" (kept on the device).
+FROM_DEVICE = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +103,8 @@ class BatchBuilder:
                     raise ValueError(f"{where}: tokens must be a list of int token ids")
                 if self.vocab_size is not None:
                     bad = (ids < 0) | (ids >= self.vocab_size)
+                    if kind == "decode":
+                        bad &= ids != FROM_DEVICE
                     if bad.any():
                         raise ValueError(
                             f"{where}: token id {ids[bad][0]} is outside "

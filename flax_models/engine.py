@@ -44,7 +44,7 @@ from flax import nnx
 
 import pallas_kernels as pk
 from flax_models.batch import StateSnapshots, make_forward_batch
-from flax_models.batching import BatchBuilder, Request, StepArrays
+from flax_models.batching import FROM_DEVICE, BatchBuilder, Request, StepArrays
 from flax_models.cache import init_cache, restore_snapshots
 from flax_models.model import HybridLM
 from flax_models.serving.prefix_cache import BlockManager, block_keys
@@ -75,14 +75,48 @@ class _Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     keys: list[int] = dataclasses.field(default_factory=list)  # hash chain of full blocks
     restore: int | None = None  # snapshot to restore before its first computed token
+    in_flight: int = 0  # tokens sampled by launched steps the host has not read yet
+    ended: bool = False  # its last token was read; rows of it launched ahead are discarded
 
     @property
     def prompt_done(self) -> bool:
+        """Every prompt token is computed (or in a launched step)."""
         return self.num_computed >= len(self.prompt)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated, those in flight included."""
+        return len(self.generated) + self.in_flight
 
     def tokens(self) -> list[int]:
         """The tokens fed so far and the next one: prompt, then generated."""
         return self.prompt + self.generated if self.generated else self.prompt
+
+
+class _Fed(NamedTuple):
+    """A sequence's part in a launched step: ``count`` tokens from ``start`` computed,
+    ``samples`` (its row's token is its next one), ``restored`` (the step restored its
+    prefix snapshot)."""
+
+    seq: _Sequence
+    start: int
+    count: int
+    samples: bool
+    restored: bool
+
+
+class _Launched(NamedTuple):
+    """A step launched by ``stream`` whose tokens the host has not read yet: its arrays,
+    its sequences (``fed``, in request order, and their ``rows``), the sampled ``tokens``
+    on the device, its snapshot entries ``taken`` ({sequence index: {block: entry}}), and
+    when it was launched."""
+
+    arrays: StepArrays
+    fed: list[_Fed]
+    rows: np.ndarray
+    tokens: jax.Array
+    taken: dict[int, dict[int, int]]
+    launched_at: float
 
 
 class TokenEvent(NamedTuple):
@@ -236,14 +270,24 @@ class Engine:
         self._cache_dtype = model.dtype
         self._mesh = model.mesh  # a sharded model serves on its mesh, caches split alike
         self.caches = self._init_cache()
-        self._graphdef, self._params = nnx.split(model)
+        # The parameters travel to every step as a flat list of arrays: flattening the
+        # nnx.State of a 9B model (hundreds of Variables, in Python) on every dispatch cost
+        # more host time than the rest of the step's launch.
+        self._graphdef, params = nnx.split(model)
+        self._param_leaves, self._param_tree = jax.tree.flatten(params)
+        # The token each slot sampled last, on the device: a decode row whose token is
+        # ``FROM_DEVICE`` is fed from it, so a step can be launched before the host has read
+        # the one before (``stream``).
+        self._slot_tokens = self._device_array(np.zeros(max_slots, np.int32))
+        self._clock = 0.0  # when the host last saw a step of ``stream`` finish
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.compile_count = 0
         self.stats = dict.fromkeys(
             ("prefill_seconds", "prefill_tokens", "decode_seconds", "decode_tokens"), 0
         )
         self.stats.update(prefix_hit_tokens=0, prefix_hits=0, prefix_misses=0)
-        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1,))
+        self.step_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1, 2))
 
     # ------------------------------------------------------------------------ one step
 
@@ -261,8 +305,9 @@ class Engine:
 
     def _step(
         self,
-        params,
+        param_leaves,
         caches,
+        slot_tokens,
         tokens,
         query_start_loc,
         num_computed,
@@ -278,13 +323,21 @@ class Engine:
         *,
         num_decode,
     ):
-        """One step and its sampling: ``(logits[R, V], next_tokens[R], caches)``; the
-        sampling settings are per row (``serving.sampling.sampling_arrays``).
+        """One step and its sampling: ``(logits[R, V], next_tokens[R], caches,
+        slot_tokens)``; the sampling settings are per row (``serving.sampling.sampling_arrays``).
+        ``slot_tokens[S]``: each slot's last sampled token, read by decode rows whose token
+        is ``FROM_DEVICE`` and updated with this step's samples.
         ``block_tables[S, max_blocks]``: every slot's pages; ``restore_ids[R - num_decode]``:
         the snapshot each prefill row's slot starts from (-1: none) and ``snapshots`` the
         states this step saves, both None without prefix caching."""
         self.compile_count += 1  # runs once per trace, i.e. per compiled program
-        model = nnx.merge(self._graphdef, params)
+        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
+        num_slots = slot_tokens.shape[0]
+        decode_tokens = tokens[:num_decode]
+        fed = slot_tokens[jnp.clip(slot_ids[:num_decode], 0, num_slots - 1)]
+        tokens = tokens.at[:num_decode].set(
+            jnp.where(decode_tokens == FROM_DEVICE, fed, decode_tokens)
+        )
         if restore_ids is not None:
             caches = restore_snapshots(caches, slot_ids[num_decode:], restore_ids)
         # Padding rows read slot 0's table; nothing reads or writes for them.
@@ -305,7 +358,13 @@ class Engine:
         # A key per row from its request's seed and token counter, as data: no program per
         # seed or step, and no dependence on the row's neighbours.
         keys = request_keys(seeds, counters)
-        return logits, sample_tokens(logits, keys, temperature, top_k, top_p), caches
+        next_tokens = sample_tokens(logits, keys, temperature, top_k, top_p)
+        # Every sequence row's sample (a prompt not done yet leaves one nobody reads: its
+        # next row is a prefill row again); padding rows (slot -1) write nothing.
+        slot_tokens = slot_tokens.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(
+            next_tokens, mode="drop"
+        )
+        return logits, next_tokens, caches, slot_tokens
 
     def _run(
         self,
@@ -315,11 +374,11 @@ class Engine:
         restore_ids: np.ndarray | None = None,
         snapshots: StateSnapshots | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """Runs one built step and samples from it: ``(logits[R, V], tokens[R])``, on the
-        device (``R`` sequence rows, padding included). ``sampling``: the rows' settings
-        from ``sampling_arrays`` (None: greedy). Every live row's slot gets the pages its
-        keys need first. With prefix caching: ``restore_ids[R - num_decode]`` and
-        ``snapshots`` (``_snapshot_plan``), none by default."""
+        """Launches one built step and its sampling: ``(logits[R, V], tokens[R])``, on the
+        device and not waited for (``R`` sequence rows, padding included). ``sampling``:
+        the rows' settings from ``sampling_arrays`` (None: greedy). Every live row's slot
+        gets the pages its keys need first. With prefix caching: ``restore_ids[R -
+        num_decode]`` and ``snapshots`` (``_snapshot_plan``), none by default."""
         rows = arrays.slot_ids.shape[0]
         if sampling is None:
             sampling = sampling_arrays([None] * rows, [0] * rows)
@@ -332,11 +391,11 @@ class Engine:
                 restore_ids = np.full(rows - arrays.num_decode, -1, np.int32)
             if snapshots is None:
                 snapshots = self._snapshot_plan(arrays, [], [])[0]
-        start = time.perf_counter()
         try:
-            logits, tokens, self.caches = self._jitted(
-                self._params,
+            logits, tokens, self.caches, self._slot_tokens = self._jitted(
+                self._param_leaves,
                 self.caches,
+                self._slot_tokens,
                 arrays.tokens,
                 arrays.query_start_loc,
                 arrays.num_computed_tokens,
@@ -354,20 +413,20 @@ class Engine:
         except BaseException:
             self._recover_caches()
             raise
-        if arrays.num_requests:  # warm-up steps are not traffic
-            jax.block_until_ready((logits, tokens))
-            self._count(arrays, time.perf_counter() - start)
         return logits, tokens
 
+    def _device_array(self, array: np.ndarray) -> jax.Array:
+        """``array`` on the device, replicated over the model's mesh when it has one."""
+        if self._mesh is None:  # (jnp.asarray would compile a program per shape)
+            return jax.device_put(array)
+        return jax.device_put(
+            array, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+        )
+
     def _device_tables(self) -> jax.Array:
-        """``blocks.tables`` on the device (replicated on a mesh), copied when it changed."""
+        """``blocks.tables`` on the device, copied when it changed."""
         if self._tables_version != self.blocks.version:
-            tables = self.blocks.tables.copy()
-            if self._mesh is None:
-                self._tables = jnp.asarray(tables)
-            else:
-                sharding = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
-                self._tables = jax.device_put(tables, sharding)
+            self._tables = self._device_array(self.blocks.tables.copy())
             self._tables_version = self.blocks.version
         return self._tables
 
@@ -444,29 +503,52 @@ class Engine:
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.caches)):
             self.caches = self._init_cache()
             self.blocks.reset()
+        if self._slot_tokens.is_deleted():
+            self._slot_tokens = self._device_array(np.zeros(self.builder.num_slots, np.int32))
 
-    def _count(self, arrays: StepArrays, seconds: float) -> None:
-        decode_tokens = arrays.num_decode_requests
-        prefill_tokens = arrays.num_tokens - decode_tokens
+    def _count(
+        self,
+        arrays: StepArrays,
+        seconds: float,
+        decode_tokens: int | None = None,
+        prefill_tokens: int | None = None,
+    ) -> None:
+        """Adds a step served in ``seconds`` to ``stats`` and ``step_buckets``: its decode
+        rows and prompt tokens (those of the built step by default; ``stream`` leaves out
+        rows of sequences that ended in the step before, launched ahead of their end)."""
+        if decode_tokens is None:
+            decode_tokens = arrays.num_decode_requests
+            prefill_tokens = arrays.num_tokens - decode_tokens
         # A mixed step runs decode rows and prompt tokens through the same program; every
         # token costs about the same in the projections, which dominate, so the step's time
-        # is shared in proportion to the tokens.
+        # is shared in proportion to the tokens it computed.
         self.stats["decode_tokens"] += decode_tokens
         self.stats["prefill_tokens"] += prefill_tokens
         self.stats["decode_seconds"] += seconds * decode_tokens / arrays.num_tokens
         self.stats["prefill_seconds"] += seconds * prefill_tokens / arrays.num_tokens
+        self.step_buckets[arrays.bucket] += 1
 
-    def step(self, arrays: StepArrays) -> jax.Array:
+    def step(self, arrays: StepArrays, *, wait: bool = True) -> jax.Array:
         """Runs one built step; returns the last-token logits of every sequence row,
         ``[R, V]`` fp32, on the device (a 256-row step's logits are 128 MiB at V = 128k:
-        copying them to the host would take longer than the step; sample on the device)."""
-        return self._run(arrays)[0]
+        copying them to the host would take longer than the step; sample on the device).
+
+        ``wait=False`` returns once the step is launched, without counting it in ``stats``:
+        for callers that chain steps (a decode row's token may be ``FROM_DEVICE``, the one
+        its slot sampled in the step before), as ``stream`` does."""
+        start = time.perf_counter()
+        logits, tokens = self._run(arrays)
+        if wait:
+            jax.block_until_ready((logits, tokens))
+            if arrays.num_requests:
+                self._count(arrays, time.perf_counter() - start)
+        return logits
 
     def warmup(self) -> int:
         """Compiles every program a generation can use, one per bucket with its sampling
         (all-padding steps change no cache); returns the count."""
         for num_decode, token_bucket in self.builder.buckets():
-            self._run(self.builder.dummy(num_decode, token_bucket))
+            jax.block_until_ready(self._run(self.builder.dummy(num_decode, token_bucket)))
         return self.compile_count
 
     # ------------------------------------------------------------------------ slots
@@ -620,7 +702,18 @@ class Engine:
         hits: dict[int, int],
     ) -> Iterator[TokenEvent]:
         """The scheduler loop of ``stream`` over checked requests; ``hits`` gets each
-        request's prefix hit tokens as it is admitted."""
+        request's prefix hit tokens as it is admitted.
+
+        It runs one step ahead: step n + 1 is planned and launched (its decode rows fed
+        from the device) before the host reads step n's tokens, so the host's work for a
+        step (reading tokens, events, planning, launching) hides behind the device's.
+        Step n + 1 assumes every sequence of step n goes on; one that ends there (an eos or
+        stop token, ``stop``) has its row of step n + 1 discarded, which is harmless: its
+        slot's states are never read again, and its KV pages are rewritten before they
+        are read by whoever takes them next (steps run in launch order). Where the plan
+        would depend on step n's tokens (a prefix-caching state save at a block end of a
+        row fed from the device, or an admission with prefix caching, which must see the
+        blocks step n publishes), step n is read first."""
         waiting = collections.deque(s for s in sequences if s.params.max_new_tokens > 0)
         if not waiting:
             return
@@ -632,98 +725,167 @@ class Engine:
         free_on_entry = list(self._free_slots)
         for slot in free_on_entry:  # pages direct ``step`` calls left in free slots
             self.blocks.release(slot)
-        taken: dict[int, dict[int, int]] = {}  # this step's snapshot entries, not published
+        pending: _Launched | None = None  # launched, tokens not read yet
+        launched: _Launched | None = None
         try:
             while waiting or running:
-                while waiting and self._free_slots:
-                    seq = self._next_admissible(waiting, running)
-                    if seq is None or not self._admit(seq):
-                        break  # waits for pages (first come, first served)
-                    waiting.remove(seq)
-                    running.append(seq)
-                    hits[seq.index] = seq.num_computed
-                decode = [s for s in running if s.prompt_done]
-                budget = max(self.token_budget - len(decode), 0) if decode else self.token_budget
-                prefill: list[tuple[_Sequence, int]] = []
-                for seq in running:
-                    if not seq.prompt_done and budget:
-                        count = min(len(seq.prompt) - seq.num_computed, budget)
-                        prefill.append((seq, count))
-                        budget -= count
-                arrays = self.builder.build(
-                    [Request(s.slot, [s.generated[-1]], s.num_computed) for s in decode],
-                    [
-                        Request(
-                            s.slot, s.prompt[s.num_computed : s.num_computed + n], s.num_computed
-                        )
-                        for s, n in prefill
-                    ],
-                )
-                fed = [(s, 1) for s in decode] + prefill
-                rows = self.builder.request_rows(arrays)
-                restore_ids, snapshots, taken = None, None, {}
-                if self.prefix_caching:
-                    snapshots, taken = self._snapshot_plan(arrays, decode, prefill)
-                    restore_ids = np.full(len(arrays.slot_ids) - arrays.num_decode, -1, np.int32)
-                    for seq, row in zip([s for s, _ in fed], rows, strict=True):
-                        if seq.restore is not None:  # a prefill row, its first computed step
-                            restore_ids[row - arrays.num_decode] = seq.restore
-                # Each row samples with its request's settings and key; rows whose token is
-                # not used (a prompt not done after this step, padding) take the argmax.
-                row_params: list[SamplingParams | None] = [None] * arrays.slot_ids.shape[0]
-                counters = [0] * len(row_params)
-                for (seq, count), row in zip(fed, rows, strict=True):
-                    if seq.num_computed + count >= len(seq.prompt):
-                        row_params[row] = seq.params
-                        counters[row] = len(seq.generated)
-                try:
-                    _, tokens = self._run(
-                        arrays,
-                        sampling_arrays(row_params, counters),
-                        restore_ids=restore_ids,
-                        snapshots=snapshots,
-                    )
-                except BaseException:
-                    self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
-                    taken = {}
-                    raise
-                tokens = np.asarray(tokens)
-                # Every fed sequence's bookkeeping (its computed tokens, restore and the
-                # blocks and snapshots of this step) is done before the first event is
-                # yielded: the consumer may stop at any yield (close(), break, an exception
-                # in ``stop``), and no snapshot taken for this step may be left unpublished.
-                for seq, count in fed:
-                    start = seq.num_computed
-                    seq.num_computed += count
-                    if seq.restore is not None:
-                        self.blocks.restored(seq.slot)
-                        seq.restore = None
-                    if self.blocks.prefix_caching:
-                        self._publish(seq, start, taken.pop(seq.index, {}))
-                self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
-                taken = {}  # (none was left: every entry is a fed sequence's)
-                for (seq, _), row in zip(fed, rows, strict=True):
-                    if not seq.prompt_done:
-                        continue
-                    token = int(tokens[row])
-                    seq.generated.append(token)
-                    bar.advance()
-                    if token in seq.stop_ids or (stop is not None and stop(seq.index, token)):
-                        reason = "stop"
-                    elif len(seq.generated) == seq.params.max_new_tokens:
-                        reason = "length"
-                    else:
-                        reason = None
-                    if reason is not None:
-                        running.remove(seq)
-                        self.release_slot(seq.slot)
-                    yield TokenEvent(seq.index, token, reason)
+                launched = self._launch_next(waiting, running, hits, ahead=pending is not None)
+                if pending is not None:
+                    yield from self._land(pending, running, stop, bar)
+                elif launched is None:
+                    raise AssertionError("the scheduler found nothing to run")
+                pending, launched = launched, None
         finally:
-            self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
+            for step in (pending, launched):
+                if step is not None:  # snapshot entries of steps never read
+                    self.blocks.give_back_snapshots(
+                        [e for t in step.taken.values() for e in t.values()]
+                    )
             for seq in running:
                 self.blocks.release(seq.slot)
             self._free_slots = free_on_entry
             bar.close()
+
+    def _launch_next(
+        self,
+        waiting: collections.deque[_Sequence],
+        running: list[_Sequence],
+        hits: dict[int, int],
+        *,
+        ahead: bool,
+    ) -> _Launched | None:
+        """Admits what fits, then plans and launches the next step: decode rows for the
+        sequences whose prompt is done, prompt chunks within the token budget. ``ahead``: a
+        step is in flight whose tokens the host has not read; None (nothing launched) when
+        the plan would depend on them, or when nothing is left to run."""
+        bs = self.block_size
+        if not (ahead and self.prefix_caching):  # see _schedule: admissions must wait
+            while waiting and self._free_slots:
+                seq = self._next_admissible(waiting, running)
+                if seq is None or not self._admit(seq):
+                    break  # waits for pages (first come, first served)
+                waiting.remove(seq)
+                running.append(seq)
+                hits[seq.index] = seq.num_computed
+        # Sequences whose last token is in flight end there by length: nothing to plan.
+        live = [s for s in running if s.num_generated < s.params.max_new_tokens]
+        decode = [s for s in live if s.prompt_done]
+        if (
+            ahead
+            and self.blocks.num_snapshots
+            and any(s.in_flight and (s.num_computed + 1) % bs == 0 for s in decode)
+        ):
+            return None  # a state save at a block end needs the block's tokens
+        budget = max(self.token_budget - len(decode), 0) if decode else self.token_budget
+        prefill: list[tuple[_Sequence, int]] = []
+        for seq in live:
+            if not seq.prompt_done and budget:
+                count = min(len(seq.prompt) - seq.num_computed, budget)
+                prefill.append((seq, count))
+                budget -= count
+        if not decode and not prefill:
+            return None
+        arrays = self.builder.build(
+            [
+                Request(s.slot, [FROM_DEVICE if s.in_flight else s.generated[-1]], s.num_computed)
+                for s in decode
+            ],
+            [
+                Request(s.slot, s.prompt[s.num_computed : s.num_computed + n], s.num_computed)
+                for s, n in prefill
+            ],
+        )
+        fed = [(s, 1) for s in decode] + prefill
+        rows = self.builder.request_rows(arrays)
+        restore_ids, snapshots, taken = None, None, {}
+        if self.prefix_caching:
+            snapshots, taken = self._snapshot_plan(arrays, decode, prefill)
+            restore_ids = np.full(len(arrays.slot_ids) - arrays.num_decode, -1, np.int32)
+            for seq, row in zip([s for s, _ in fed], rows, strict=True):
+                if seq.restore is not None:  # a prefill row, its first computed step
+                    restore_ids[row - arrays.num_decode] = seq.restore
+        # Each row samples with its request's settings and key; rows whose token is not
+        # used (a prompt not done after this step, padding) take the argmax.
+        row_params: list[SamplingParams | None] = [None] * arrays.slot_ids.shape[0]
+        counters = [0] * len(row_params)
+        samples = []
+        for (seq, count), row in zip(fed, rows, strict=True):
+            samples.append(seq.num_computed + count >= len(seq.prompt))
+            if samples[-1]:
+                row_params[row] = seq.params
+                counters[row] = seq.num_generated
+        launched_at = time.perf_counter()
+        try:
+            _, tokens = self._run(
+                arrays,
+                sampling_arrays(row_params, counters),
+                restore_ids=restore_ids,
+                snapshots=snapshots,
+            )
+        except BaseException:
+            self.blocks.give_back_snapshots([e for t in taken.values() for e in t.values()])
+            raise
+        # The host's view moves on at launch: what the step computes does not depend on
+        # its tokens; what it samples is counted in flight until it is read.
+        entries = []
+        for (seq, count), sampled in zip(fed, samples, strict=True):
+            entries.append(_Fed(seq, seq.num_computed, count, sampled, seq.restore is not None))
+            seq.num_computed += count
+            seq.restore = None
+            seq.in_flight += sampled
+        return _Launched(arrays, entries, rows, tokens, taken, launched_at)
+
+    def _land(
+        self,
+        step: _Launched,
+        running: list[_Sequence],
+        stop: Callable[[int, int], bool] | None,
+        bar: _Progress,
+    ) -> Iterator[TokenEvent]:
+        """Reads a launched step's tokens (waiting for it), does its bookkeeping and yields
+        its events; rows of sequences that ended before it are discarded."""
+        tokens = np.asarray(step.tokens)
+        now = time.perf_counter()
+        kept = [f for f in step.fed if not f.seq.ended]
+        num_decode = step.arrays.num_decode_requests  # the first entries are decode rows
+        self._count(
+            step.arrays,
+            # The device ran the step after the one before it ended (or after its launch).
+            now - max(step.launched_at, self._clock),
+            decode_tokens=sum(not f.seq.ended for f in step.fed[:num_decode]),
+            prefill_tokens=sum(f.count for f in step.fed[num_decode:]),
+        )
+        self._clock = now
+        # Every kept sequence's bookkeeping (restore, and the blocks and snapshots of this
+        # step) is done before the first event is yielded: the consumer may stop at any
+        # yield (close(), break, an exception in ``stop``), and no snapshot taken for this
+        # step may be left unpublished.
+        for f in kept:
+            if f.restored:
+                self.blocks.restored(f.seq.slot)
+            if self.blocks.prefix_caching:
+                self._publish(f.seq, f.start, f.start + f.count, step.taken.pop(f.seq.index, {}))
+        self.blocks.give_back_snapshots([e for t in step.taken.values() for e in t.values()])
+        step.taken.clear()
+        for f, row in zip(step.fed, step.rows, strict=True):
+            seq = f.seq
+            if seq.ended or not f.samples:
+                continue
+            token = int(tokens[row])
+            seq.in_flight -= 1
+            seq.generated.append(token)
+            bar.advance()
+            if token in seq.stop_ids or (stop is not None and stop(seq.index, token)):
+                reason = "stop"
+            elif len(seq.generated) == seq.params.max_new_tokens:
+                reason = "length"
+            else:
+                reason = None
+            if reason is not None:
+                seq.ended = True
+                running.remove(seq)
+                self.release_slot(seq.slot)
+            yield TokenEvent(seq.index, token, reason)
 
     def _next_admissible(
         self, waiting: collections.deque[_Sequence], running: list[_Sequence]
@@ -770,10 +932,10 @@ class Engine:
             self.stats["prefix_hits" if hit.tokens else "prefix_misses"] += 1
         return True
 
-    def _publish(self, seq: _Sequence, start: int, snapshots: dict[int, int]) -> None:
-        """Publishes the blocks ``seq`` filled in a step that began at ``start`` computed
-        tokens, with the snapshots saved at their ends."""
-        first, end = start // self.block_size, seq.num_computed // self.block_size
+    def _publish(self, seq: _Sequence, start: int, stop: int, snapshots: dict[int, int]) -> None:
+        """Publishes the blocks ``seq`` filled in a step that took it from ``start`` to
+        ``stop`` computed tokens, with the snapshots saved at their ends."""
+        first, end = start // self.block_size, stop // self.block_size
         if end > first:
             tokens = seq.tokens()
             block_keys(tokens, self.block_size, end, seq.keys)

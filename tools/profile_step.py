@@ -17,6 +17,8 @@ import argparse
 import collections
 import gzip
 import json
+import statistics
+import time
 from pathlib import Path
 
 import jax
@@ -96,17 +98,28 @@ def main() -> None:
             Request(s, [int(rng.integers(cfg.vocab_size))], args.context) for s in range(args.rows)
         ]
         arrays = engine.builder.build(decode, [])
-    timing = harness.time_fn(lambda: engine.step(arrays), warmup=2, samples=10)
+    # Back to back, as Engine.stream launches them, and one at a time (waiting for each).
+    chained = harness.time_fn(lambda: engine.step(arrays, wait=False), warmup=2, samples=10)
+    waited = harness.time_fn(lambda: engine.step(arrays), warmup=2, samples=10)
+    launches = []
+    for _ in range(20):  # the host's share: from the call to the step being launched
+        jax.block_until_ready(engine.step(arrays))
+        start = time.perf_counter()
+        logits = engine.step(arrays, wait=False)
+        launches.append((time.perf_counter() - start) * 1e3)
+        jax.block_until_ready(logits)
     kind = f"prefill {args.rows}x{args.prompt}" if args.prompt else f"decode {args.rows} rows"
     print(
         f"{args.model} {args.pattern} {args.impl} tp={args.tp} {kind}, context {args.context}: "
-        f"{timing.median_ms:.3f} ms"
+        f"{chained.median_ms:.3f} ms a step back to back, {waited.median_ms:.3f} ms waiting "
+        f"for each, {statistics.median(launches):.3f} ms to launch one"
     )
 
     trace_dir = Path(args.trace_dir)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(args.steps):
-            engine.step(arrays)
+            logits = engine.step(arrays, wait=False)
+        jax.block_until_ready(logits)
     total, calls = device_op_times(trace_dir)
     # Every device's ops land in the trace: per device, averaged over the devices.
     runs = args.steps * args.tp

@@ -246,6 +246,38 @@ def test_eos_stops_a_sequence_early(small_engine):
     assert stopped == greedy[: greedy.index(greedy[2]) + 1]
 
 
+def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
+    """The scheduler launches step n + 1 (decode rows fed from the device) before it reads
+    step n's tokens; rows of sequences that ended in step n are dropped and their slots
+    reused: the tokens are the forward's greedy argmax, cut after the first eos."""
+    m = model()
+    prompts = random_prompts(np.random.default_rng(11), m.cfg.vocab_size, (7, 3, 12, 5, 9))
+    engine = Engine(m, max_slots=2, max_len=64, token_budget=8, decode_buckets=(2,))
+    full = engine.generate(prompts, 8)
+    for prompt, generated in zip(prompts, full, strict=True):
+        assert generated == greedy_reference(m, prompt, generated)
+    eos = full[0][2]
+    order = []
+    real_run, real_land = engine._run, engine._land
+
+    def run(*args, **kwargs):
+        order.append("launch")
+        return real_run(*args, **kwargs)
+
+    def land(*args, **kwargs):
+        order.append("read")
+        return real_land(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_run", run)
+    monkeypatch.setattr(engine, "_land", land)
+    stopped = engine.generate(prompts, 8, eos_id=eos)
+    for generated, tokens in zip(full, stopped, strict=True):
+        assert tokens == (generated[: generated.index(eos) + 1] if eos in generated else generated)
+    assert len(stopped[0]) == 3
+    # Steps overlap: a read comes after the next step's launch (launch, launch, read).
+    assert "launch,launch,read" in ",".join(order)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
