@@ -12,6 +12,10 @@ Reads the two JSON shapes the benchmarks write:
 - several runs gathered in one file (e.g. one per model or mesh): ``runs``, a list of such
   reports, read as modules ``<file stem>[i]``.
 
+A report with a ``serving`` entry (``benchmarks.serving``) also gets its latency plot,
+``<json stem>_serving_latency.png``: the distributions of time to first token and time
+per output token over the trace's requests.
+
 ``python -m benchmarks.plots FILE_OR_DIR... [--out-dir DIR]`` writes one PNG per op,
 ``<json stem>_<op>.png`` (``nvidia_h200_ssd.png`` from ``nvidia_h200.json``). Rows are
 grouped by their ``op`` field where they have one, else by module. matplotlib is imported
@@ -49,6 +53,8 @@ class Report:
       rows: the result rows.
       error: why the module produced no rows (combined files only), else None.
       log: the tail of a failed module's output, else None.
+      serving: ``benchmarks.serving``'s trace, engine, run and per-request times, else
+        None.
     """
 
     source: Path
@@ -59,6 +65,7 @@ class Report:
     rows: tuple[dict[str, Any], ...]
     error: str | None = None
     log: str | None = None
+    serving: dict[str, Any] | None = None
 
     def ops(self) -> dict[str, list[dict[str, Any]]]:
         """Rows grouped by op (a row's ``op`` field, else the module name), in order."""
@@ -83,6 +90,7 @@ def _report(source: Path, module: str, payload: dict[str, Any], device: str) -> 
         rows=tuple(payload.get("rows") or ()),
         error=payload.get("error"),
         log=payload.get("log"),
+        serving=payload.get("serving"),
     )
 
 
@@ -281,19 +289,74 @@ def overview(reports: Sequence[Report]) -> Figure:
     return fig
 
 
+def plot_serving(serving: dict[str, Any], *, title: str) -> Figure:
+    """A serving trace's latencies (``benchmarks.serving``): the CDF over requests of the
+    time to first token and of the time per output token, p50 and p99 marked."""
+    from matplotlib.figure import Figure
+
+    requests = serving.get("requests") or []
+    fig = Figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, 2)
+    for ax, key, label, scale in (
+        (axes[0], "ttft_s", "time to first token (s)", 1.0),
+        (axes[1], "tpot_s", "time per output token (ms)", 1e3),
+    ):
+        values = sorted(
+            r[key] * scale for r in requests if r.get(key) is not None and r[key] == r[key]
+        )
+        if not values:
+            ax.set_axis_off()
+            continue
+        fractions = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, fractions, where="post", color="C4")
+        for q, style in ((0.5, "--"), (0.99, ":")):
+            # Linear interpolation between ranks (NumPy's default, as the JSON's p50/p99).
+            position = q * (len(values) - 1)
+            low = int(position)
+            high = min(low + 1, len(values) - 1)
+            value = values[low] + (values[high] - values[low]) * (position - low)
+            ax.axvline(value, color="k", lw=1, ls=style, label=f"p{round(100 * q)} {value:.3g}")
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=8, loc="lower right")
+    run = serving.get("run") or {}
+    engine = serving.get("engine") or {}
+    caption = title
+    if run:
+        caption += (
+            f"\n{len(requests)} requests, {run.get('output_tokens_per_s', 0):.4g} output tok/s, "
+            f"{run.get('total_tokens_per_s', 0):.4g} tok/s, {run.get('steps', 0)} steps, "
+            f"{run.get('programs', 0)} programs, padding {run.get('padding_fraction', 0):.1%}"
+        )
+    if engine:
+        caption += (
+            f"\n{engine.get('max_slots')} slots, token budget {engine.get('token_budget')}, "
+            f"token buckets {engine.get('bucket_policy', '?')}"
+        )
+    fig.suptitle(caption, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def _color(impl: str, impls: Sequence[str]) -> str:
     fixed = {"xla": "C0", "triton": "C1", "mosaic": "C2", "cudnn": "C3", "auto": "C4"}
     return fixed.get(impl, f"C{5 + impls.index(impl) % 5}")
 
 
 def figures(report: Report) -> dict[str, Figure]:
-    """One figure per op of ``report`` (none for a failed module)."""
-    return {
+    """One figure per op of ``report`` (none for a failed module), and ``serving_latency``
+    for a serving trace's report."""
+    result = {
         op: plot_op(
             rows, title=f"{op}: {report.title} on {report.device}", ceilings=report.ceilings
         )
         for op, rows in report.ops().items()
     }
+    if report.serving and report.serving.get("requests"):
+        title = f"{report.title} on {report.device}"
+        result["serving_latency"] = plot_serving(report.serving, title=title)
+    return result
 
 
 def save_plots(reports: Iterable[Report], out_dir: str | Path) -> list[Path]:

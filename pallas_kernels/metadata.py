@@ -30,6 +30,8 @@ static (it comes from the bucket); chunks past ``num_chunks`` have length 0 and
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections.abc import Sequence
 from typing import Literal
 
@@ -192,9 +194,98 @@ def power_of_two_buckets(max_size: int, *, min_size: int = 1) -> tuple[int, ...]
         size *= 2
 
 
-def token_buckets(max_tokens: int, *, min_tokens: int = 16) -> tuple[int, ...]:
-    """Token-count buckets for packed batches: powers of two, ``min_tokens`` to ``max_tokens``."""
-    return power_of_two_buckets(max_tokens, min_size=min(min_tokens, max_tokens))
+# Token bucket policies (``token_buckets``). ``sqrt2`` rounds its sizes up to a multiple of
+# ``_SQRT2_ALIGN`` tokens, as every ``pow2`` bucket from 16 up is, so kernels that tile
+# packed rows in blocks of 16 see whole blocks; ``linear`` defaults to steps of
+# ``_LINEAR_STEP`` tokens (a 22.5k-token step then runs in 24576 rather than 32768).
+TokenBucketPolicy = Literal["pow2", "sqrt2", "linear"]
+TOKEN_BUCKET_POLICIES: tuple[str, ...] = ("pow2", "sqrt2", "linear")
+_SQRT2_ALIGN = 16
+_LINEAR_STEP = 4096
+
+
+def _check_size(name: str, value: object, *, low: int, what: str | None = None) -> int:
+    """``value`` as an int ``>= low``; ``ValueError`` naming ``name`` (and ``what`` the
+    bound is) otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        size = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int") from None
+    if size < low:
+        bound = low if what is None else f"{what}={low}"
+        raise ValueError(f"{name}={value!r} must be >= {bound}")
+    return size
+
+
+def token_buckets(
+    max_tokens: int,
+    *,
+    min_tokens: int = 16,
+    policy: TokenBucketPolicy = "pow2",
+    step: int | None = None,
+) -> tuple[int, ...]:
+    """Token-count buckets for packed batches, from ``min_tokens`` up to the first size
+    ``>= max_tokens`` (which is kept), spaced by ``policy``:
+
+    - ``"pow2"`` (the default): powers of two. Few programs; a size just past a bucket
+      runs in twice its tokens (``bucket_for(s) < 2 s``).
+    - ``"sqrt2"``: powers of √2 rounded up to a multiple of 16, about twice as many buckets
+      as ``pow2``; ``bucket_for(s) <= ceil16(√2 s)`` (padding up to ~41% of the real
+      tokens, against ``pow2``'s 100%).
+    - ``"linear"``: powers of two below ``step``, then multiples of ``step`` (4096 by
+      default); ``bucket_for(s) < min(2 s, s + step)``, so large steps pad by at most
+      ``step - 1`` tokens at the cost of ``max_tokens / step`` large buckets.
+
+    Example, ``max_tokens=8192``::
+
+        pow2              16 32 64 128 256 512 1024 2048 4096 8192
+        sqrt2             16 32 48 64 96 128 192 256 368 512 736 1024 1456 2048 2912 4096
+                          5808 8192
+        linear, step=2048 16 32 64 128 256 512 1024 2048 4096 6144 8192
+
+    Args:
+      max_tokens: the most tokens a batch holds (>= 1).
+      min_tokens: the smallest bucket's lower bound (>= 1; capped at ``max_tokens``); the
+        smallest bucket is the first size of the policy's sequence ``>= min_tokens``.
+      policy: the spacing, above.
+      step: ``linear``'s step (>= the smallest bucket bound ``min(min_tokens,
+        max_tokens)``); None for 4096. Only ``linear`` takes it.
+    """
+    max_tokens = _check_size("max_tokens", max_tokens, low=1)
+    min_tokens = _check_size("min_tokens", min_tokens, low=1)
+    if policy not in TOKEN_BUCKET_POLICIES:
+        raise ValueError(f"policy={policy!r} must be one of {TOKEN_BUCKET_POLICIES}")
+    if step is not None and policy != "linear":
+        raise ValueError(f"step={step!r} is only for policy='linear' (got policy={policy!r})")
+    low = min(min_tokens, max_tokens)
+    if policy == "pow2":
+        return power_of_two_buckets(max_tokens, min_size=low)
+    if policy == "sqrt2":
+        align = _SQRT2_ALIGN
+        sizes: list[int] = []
+        k = 0
+        while True:
+            # 2**(k/2): an exact integer power of two for even k, times √2 for odd k.
+            raw = 2 ** (k // 2) * (math.sqrt(2) if k % 2 else 1)
+            k += 1
+            if raw < low:
+                continue
+            size = -(-math.ceil(raw) // align) * align
+            if not sizes or size > sizes[-1]:
+                sizes.append(size)
+            if size >= max_tokens:
+                return tuple(sizes)
+    if step is None:
+        step = _LINEAR_STEP
+    step = _check_size("step", step, low=low, what="min(min_tokens, max_tokens)")
+    sizes = [s for s in power_of_two_buckets(max_tokens, min_size=low) if s < step]
+    multiple = step
+    while not sizes or sizes[-1] < max_tokens:
+        sizes.append(multiple)
+        multiple += step
+    return tuple(sizes)
 
 
 def sequence_buckets(max_seqs: int, *, min_seqs: int = 1) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from benchmarks import attention as attention_benchmark
 from benchmarks import conv1d as conv1d_benchmark
 from benchmarks import model as model_benchmark
 from benchmarks import plots, run_all
+from benchmarks import serving as serving_benchmark
 from benchmarks import ssd as ssd_benchmark
 from flax_models import demo
 from tests.helpers import fast_compile_env
@@ -69,6 +70,31 @@ def test_model_benchmark_quick(tmp_path):
     assert {r["implementation"] for r in rows} == {"xla", "auto"}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["speedup_vs_xla"] > 0
+
+
+def test_serving_benchmark_quick(tmp_path):
+    """The offline trace runs twice (the second compiles nothing), its schedule is the one
+    the host-side analysis predicted, and the JSON holds every request's times."""
+    out = tmp_path / "serving.json"
+    rows = serving_benchmark.main(["--quick", "--out", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["rows"] == json.loads(json.dumps(rows))
+    (row,) = rows
+    assert row["op"] == "serving" and row["median_ms"] > 0 and row["roofline_fraction"] > 0
+    assert row["compiles_in_measured_run"] == 0 and row["compiles_in_warmup_run"] > 0
+    assert row["schedule_matches_analysis"] is True
+    assert 0 <= row["padding_fraction"] < 1 and row["output_tokens_per_s"] > 0
+    serving = payload["serving"]
+    requests = serving["requests"]
+    assert len(requests) == serving["trace"]["requests"]
+    assert sum(r["output_len"] for r in requests) == row["decode_tokens"] + len(requests)
+    assert all(r["ttft_s"] > 0 and r["tpot_s"] >= 0 for r in requests)
+    assert {a["policy"] for a in serving["bucket_policies"]} >= {"pow2", "sqrt2"}
+    if importlib.util.find_spec("matplotlib") is not None:
+        (report,) = plots.load(out)
+        assert report.serving is not None
+        paths = plots.save_plots([report], tmp_path)
+        assert {p.name for p in paths} >= {"serving_serving_latency.png"}
 
 
 def test_plots_read_gathered_runs(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels.metadata import (
+    TOKEN_BUCKET_POLICIES,
     bucket_for,
     chunk_metadata,
     max_chunks_for,
@@ -128,6 +131,98 @@ def test_buckets():
     np.testing.assert_array_equal(slots, [2, 0, -1, -1])
     with pytest.raises(ValueError, match="exceeds bucket"):
         pad_to_bucket(np.arange(5), 4)
+
+
+def test_token_bucket_policies_exact():
+    """The sizes of each policy (the docstring's table), and pow2 as the default."""
+    pow2 = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert token_buckets(8192) == token_buckets(8192, policy="pow2") == pow2
+    assert token_buckets(8192, policy="sqrt2") == (
+        *(16, 32, 48, 64, 96, 128, 192, 256, 368, 512, 736, 1024),
+        *(1456, 2048, 2912, 4096, 5808, 8192),
+    )
+    assert token_buckets(8192, policy="linear", step=2048) == (*pow2[:-2], 4096, 6144, 8192)
+    assert token_buckets(8192, policy="linear") == pow2  # step 4096: 8192 is 2 x 4096
+    # The 22.5k-token step of the module comment: 24576 under linear, 32768 under pow2.
+    big = token_buckets(24576, policy="linear")
+    assert big[-6:] == (4096, 8192, 12288, 16384, 20480, 24576)
+    assert bucket_for(22_500, big) == 24576
+    assert bucket_for(22_500, token_buckets(24576)) == 32768
+    # min_tokens and a max_tokens below it, as pow2 has always done.
+    assert token_buckets(100, min_tokens=20, policy="sqrt2") == (32, 48, 64, 96, 128)
+    assert token_buckets(10) == (16,)
+    assert token_buckets(10, policy="sqrt2", min_tokens=1) == (16,)
+    linear = token_buckets(20, min_tokens=1, policy="linear", step=3)
+    assert linear == (1, 2, 3, 6, 9, 12, 15, 18, 21)
+    assert token_buckets(5, min_tokens=2, policy="linear", step=8) == (2, 4, 8)
+
+
+def _padding_bound(policy: str, size: int, step: int | None) -> int:
+    """The largest bucket ``policy`` may give ``size`` (for sizes >= its smallest bucket's
+    bound; the docstring's padding bound)."""
+    if policy == "pow2":
+        return 2 * size - 1
+    if policy == "sqrt2":
+        return 16 * math.ceil(math.sqrt(2) * size / 16)
+    return min(2 * size, size + (step or 4096)) - 1
+
+
+@pytest.mark.parametrize("policy", TOKEN_BUCKET_POLICIES)
+@pytest.mark.parametrize(
+    "max_tokens,min_tokens,step",
+    [(8192, 16, None), (8192, 16, 1024), (6000, 16, 1536), (100, 1, 24), (1, 1, None)],
+)
+def test_token_bucket_policy_properties(policy, max_tokens, min_tokens, step):
+    """Increasing, the largest covers ``max_tokens``, none below ``min_tokens``, and every
+    size from ``min_tokens`` to ``max_tokens`` pads within the policy's bound."""
+    if policy != "linear":
+        step = None
+    buckets = token_buckets(max_tokens, min_tokens=min_tokens, policy=policy, step=step)
+    assert all(a < b for a, b in zip(buckets, buckets[1:], strict=False)), buckets
+    assert buckets[-1] >= max_tokens
+    assert len(buckets) == 1 or buckets[-2] < max_tokens  # stops at the first that covers
+    assert buckets[0] >= min(min_tokens, max_tokens)
+    if policy == "sqrt2":
+        assert all(b % 16 == 0 for b in buckets)
+    low = min(min_tokens, max_tokens)
+    for size in range(1, max_tokens + 1):
+        bucket = bucket_for(size, buckets)
+        assert bucket >= size
+        if size >= low:
+            assert bucket <= _padding_bound(policy, size, step), (size, bucket)
+
+
+def test_token_bucket_sqrt2_pads_less_than_pow2():
+    """Large sizes: worst-case padding near 1 - 1/√2 (29%) against pow2's 50%."""
+    sizes = range(1024, 8193)
+    for policy, worst in (("pow2", 0.5), ("sqrt2", 0.30)):
+        buckets = token_buckets(8192, policy=policy)
+        padding = max(1 - s / bucket_for(s, buckets) for s in sizes)
+        assert padding < worst, (policy, padding)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(max_tokens=8.0), "max_tokens=8.0"),
+        (dict(max_tokens=True), "max_tokens=True"),
+        (dict(max_tokens=64, min_tokens=0), "min_tokens=0"),
+        (dict(max_tokens=64, policy="pow3"), "policy='pow3'"),
+        (dict(max_tokens=64, step=32), "step=32 is only for policy='linear'"),
+        (dict(max_tokens=64, policy="sqrt2", step=32), "step=32"),
+        (dict(max_tokens=64, policy="linear", step=8), "step=8 must be >= min"),
+        (dict(max_tokens=64, policy="linear", step=0), "step=0"),
+        (dict(max_tokens=64, policy="linear", step="4"), "step='4' must be an int"),
+    ],
+)
+def test_token_bucket_argument_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        token_buckets(**kwargs)
+
+
+def test_token_buckets_take_numpy_ints():
+    assert token_buckets(np.int64(100), min_tokens=np.int32(16)) == (16, 32, 64, 128)
 
 
 def test_metadata_argument_errors():
