@@ -53,6 +53,7 @@ from flax_models.serving.sampling import (
     check_int,
     request_keys,
     sample_tokens,
+    sampler_flags,
     sampling_arrays,
 )
 
@@ -172,7 +173,9 @@ class Engine:
         default. Least recently used snapshots are overwritten first.
 
     Attributes:
-      compile_count: programs compiled for this engine's steps (one per bucket).
+      compile_count: programs compiled for this engine's steps: one per bucket, and the
+        sampler's three (greedy, drawing, drawing with top-k/top-p) per count of sequence
+        rows.
       blocks: the ``BlockManager`` of the KV pages and the prefix cache.
       stats: wall time and real tokens of the steps served, split into prefill (prompt
         tokens) and decode (one token per decode row): ``prefill_seconds``,
@@ -287,7 +290,13 @@ class Engine:
         )
         self.stats.update(prefix_hit_tokens=0, prefix_hits=0, prefix_misses=0)
         self.step_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
-        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1, 2))
+        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1,))
+        # The sampler is a program of its own, picked on the host: whether a step's rows
+        # draw or restrict is host data, and deciding it on the device (a lax.cond) would
+        # make the host wait for every step before it could launch the next.
+        self._sampler = jax.jit(
+            self._sample, static_argnames=("draws", "restricts"), donate_argnums=(1,)
+        )
 
     # ------------------------------------------------------------------------ one step
 
@@ -315,18 +324,11 @@ class Engine:
         block_tables,
         restore_ids,
         snapshots,
-        temperature,
-        top_k,
-        top_p,
-        seeds,
-        counters,
         *,
         num_decode,
     ):
-        """One step and its sampling: ``(logits[R, V], next_tokens[R], caches,
-        slot_tokens)``; the sampling settings are per row (``serving.sampling.sampling_arrays``).
-        ``slot_tokens[S]``: each slot's last sampled token, read by decode rows whose token
-        is ``FROM_DEVICE`` and updated with this step's samples.
+        """One step: ``(logits[R, V], caches)``. ``slot_tokens[S]``: each slot's last
+        sampled token, read by decode rows whose token is ``FROM_DEVICE``.
         ``block_tables[S, max_blocks]``: every slot's pages; ``restore_ids[R - num_decode]``:
         the snapshot each prefill row's slot starts from (-1: none) and ``snapshots`` the
         states this step saves, both None without prefix caching."""
@@ -354,17 +356,40 @@ class Engine:
         )
         # Each sequence's last token (padding sequences read an arbitrary row).
         last_rows = jnp.maximum(query_start_loc[1:] - 1, 0)
-        logits, caches = model.forward(tokens, batch, caches, logits_rows=last_rows)
+        return model.forward(tokens, batch, caches, logits_rows=last_rows)
+
+    def _sample(
+        self,
+        logits,
+        slot_tokens,
+        slot_ids,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        counters,
+        *,
+        draws,
+        restricts,
+    ):
+        """The next token of every row of ``logits[R, V]``, and ``slot_tokens`` with it:
+        ``(next_tokens[R], slot_tokens[S])``. The settings are per row
+        (``serving.sampling.sampling_arrays``); ``draws`` and ``restricts`` are theirs
+        (``sampler_flags``)."""
+        self.compile_count += 1
         # A key per row from its request's seed and token counter, as data: no program per
         # seed or step, and no dependence on the row's neighbours.
         keys = request_keys(seeds, counters)
-        next_tokens = sample_tokens(logits, keys, temperature, top_k, top_p)
+        next_tokens = sample_tokens(
+            logits, keys, temperature, top_k, top_p, draws=draws, restricts=restricts
+        )
         # Every sequence row's sample (a prompt not done yet leaves one nobody reads: its
         # next row is a prefill row again); padding rows (slot -1) write nothing.
+        num_slots = slot_tokens.shape[0]
         slot_tokens = slot_tokens.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(
             next_tokens, mode="drop"
         )
-        return logits, next_tokens, caches, slot_tokens
+        return next_tokens, slot_tokens
 
     def _run(
         self,
@@ -391,8 +416,9 @@ class Engine:
                 restore_ids = np.full(rows - arrays.num_decode, -1, np.int32)
             if snapshots is None:
                 snapshots = self._snapshot_plan(arrays, [], [])[0]
+        draws, restricts = sampler_flags(sampling, self.cfg.vocab_size)
         try:
-            logits, tokens, self.caches, self._slot_tokens = self._jitted(
+            logits, self.caches = self._jitted(
                 self._param_leaves,
                 self.caches,
                 self._slot_tokens,
@@ -403,17 +429,36 @@ class Engine:
                 self._device_tables(),
                 restore_ids,
                 snapshots,
-                sampling["temperature"],
-                sampling["top_k"],
-                sampling["top_p"],
-                sampling["seeds"],
-                sampling["counters"],
                 num_decode=arrays.num_decode,
             )
+            tokens = self._launch_sampler(logits, arrays.slot_ids, sampling, draws, restricts)
         except BaseException:
             self._recover_caches()
             raise
         return logits, tokens
+
+    def _launch_sampler(
+        self,
+        logits: jax.Array,
+        slot_ids: np.ndarray,
+        sampling: dict[str, np.ndarray],
+        draws: bool,
+        restricts: bool,
+    ) -> jax.Array:
+        """Launches the sampler on a step's logits; its tokens (on the device)."""
+        tokens, self._slot_tokens = self._sampler(
+            logits,
+            self._slot_tokens,
+            slot_ids,
+            sampling["temperature"],
+            sampling["top_k"],
+            sampling["top_p"],
+            sampling["seeds"],
+            sampling["counters"],
+            draws=draws,
+            restricts=restricts,
+        )
+        return tokens
 
     def _device_array(self, array: np.ndarray) -> jax.Array:
         """``array`` on the device, replicated over the model's mesh when it has one."""
@@ -545,10 +590,21 @@ class Engine:
         return logits
 
     def warmup(self) -> int:
-        """Compiles every program a generation can use, one per bucket with its sampling
-        (all-padding steps change no cache); returns the count."""
+        """Compiles every program a generation can use: a step per bucket and the sampler's
+        three per count of rows (all-padding steps change no cache); returns the count."""
+        warmed = set()
         for num_decode, token_bucket in self.builder.buckets():
-            jax.block_until_ready(self._run(self.builder.dummy(num_decode, token_bucket)))
+            arrays = self.builder.dummy(num_decode, token_bucket)
+            logits, tokens = self._run(arrays)  # the greedy sampler
+            rows = arrays.slot_ids.shape[0]
+            if rows not in warmed:
+                warmed.add(rows)
+                sampling = sampling_arrays([None] * rows, [0] * rows)
+                for restricts in (False, True):  # drawing, without and with a cutoff
+                    tokens = self._launch_sampler(
+                        logits, arrays.slot_ids, sampling, True, restricts
+                    )
+            jax.block_until_ready(tokens)
         return self.compile_count
 
     # ------------------------------------------------------------------------ slots

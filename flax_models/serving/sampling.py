@@ -136,12 +136,15 @@ def filter_logits(
     temperature: float | jax.Array = 1.0,
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
+    *,
+    restricts: bool | None = None,
 ) -> jax.Array:
     """``logits[R, V]`` scaled by ``1 / temperature`` (shifted by the row maximum, so a
     tiny temperature cannot overflow) with the tokens top-k and top-p remove set to
     ``-inf``: ``f32[R, V]``, the distribution ``sample_tokens`` draws from. Rows with
     ``temperature <= 0`` are scaled by 1. Array settings: ``top_k < 1`` or ``>= V`` and
-    ``top_p`` outside ``(0, 1)`` mean no restriction."""
+    ``top_p`` outside ``(0, 1)`` mean no restriction. ``restricts``: whether some row
+    restricts, when the caller knows (``sampler_flags``); None: decided on the device."""
     rows, vocab = logits.shape
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (rows,))
     top_k = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), (rows,))
@@ -167,7 +170,11 @@ def filter_logits(
         cutoff = jnp.take_along_axis(descending, (count - 1)[:, None], axis=-1)
         return jnp.where(scaled < cutoff, -jnp.inf, scaled)
 
-    # Skip the sort when no row restricts (one branch runs, both are compiled).
+    if restricts is not None:
+        return restrict(scaled) if restricts else scaled
+    # Skip the sort when no row restricts (one branch runs, both are compiled). On a GPU
+    # the host waits for the predicate of a lax.cond: a caller that must not wait (the
+    # engine, launching its next step meanwhile) says ``restricts``.
     return jax.lax.cond(jnp.any(limit_k | limit_p), restrict, lambda s: s, scaled)
 
 
@@ -177,6 +184,9 @@ def sample_tokens(
     temperature: float | jax.Array = 0.0,
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
+    *,
+    draws: bool | None = None,
+    restricts: bool | None = None,
 ) -> jax.Array:
     """Next token of each row of ``logits[R, V]``, ``int32[R]``, on the device.
 
@@ -189,6 +199,12 @@ def sample_tokens(
     program serves every setting (the engine samples inside its step this way). In an
     array, ``top_k < 1`` or ``>= V`` and ``top_p`` outside ``(0, 1)`` mean no restriction
     (how a row says None); a Python scalar must be valid (``ValueError`` otherwise).
+
+    ``draws`` (some row has ``temperature > 0``) and ``restricts`` (some drawing row has a
+    top-k or top-p): static facts of the settings a caller may know on the host
+    (``sampler_flags``); None: decided on the device, with a ``lax.cond`` that skips the
+    draw and the sort when no row needs them. On a GPU the host waits for a
+    ``lax.cond``'s predicate, so a jitted step containing one cannot be launched ahead.
     """
     if isinstance(top_k, numbers.Number) and not (
         isinstance(top_k, numbers.Integral) and top_k >= 1
@@ -204,11 +220,22 @@ def sample_tokens(
     sampled = temperature > 0
 
     def draw() -> jax.Array:
-        filtered = filter_logits(logits, temperature, top_k, top_p)
+        filtered = filter_logits(logits, temperature, top_k, top_p, restricts=restricts)
         drawn = jax.vmap(jax.random.categorical)(key, filtered).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy)
 
+    if draws is not None:
+        return draw() if draws else greedy
     return jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
+
+
+def sampler_flags(arrays: dict[str, np.ndarray], vocab_size: int) -> tuple[bool, bool]:
+    """``(draws, restricts)`` of ``sample_tokens`` for the rows of ``sampling_arrays``:
+    whether some row draws, and whether some drawing row has a top-k or top-p."""
+    drawing = arrays["temperature"] > 0
+    top_k, top_p = arrays["top_k"], arrays["top_p"]
+    limited = ((top_k >= 1) & (top_k < vocab_size)) | ((top_p > 0) & (top_p < 1))
+    return bool(drawing.any()), bool((drawing & limited).any())
 
 
 _GREEDY = SamplingParams(max_new_tokens=0)

@@ -125,7 +125,10 @@ def test_no_compilation_after_warmup():
     engine = Engine(m, max_slots=4, max_len=64, token_budget=16)
     with backend_compiles() as at_warmup:
         compiled = engine.warmup()
-    assert compiled == len(engine.builder.buckets()) == len(at_warmup), at_warmup
+    # A step per bucket; the sampler's three (greedy, drawing, top-k/top-p) per row count.
+    builder = engine.builder
+    row_counts = {d + (builder.prefill_seqs if t else 0) for d, t in builder.buckets()}
+    assert compiled == len(builder.buckets()) + 3 * len(row_counts) == len(at_warmup), at_warmup
     rng = np.random.default_rng(4)
     with backend_compiles() as after_warmup:
         for _ in range(100):
@@ -244,6 +247,19 @@ def test_eos_stops_a_sequence_early(small_engine):
     greedy = small_engine.generate([prompt], 6)[0]
     stopped = small_engine.generate([prompt], 6, eos_id=greedy[2])[0]
     assert stopped == greedy[: greedy.index(greedy[2]) + 1]
+
+
+def test_no_program_decides_on_the_device(monkeypatch):
+    """On a GPU the host waits for a lax.cond's predicate, so a step holding one could not
+    be launched while the one before it runs: the engine's programs have none (whether
+    a step's rows draw or restrict is host data, and picks the sampler program)."""
+
+    def device_cond(*args, **kwargs):
+        raise AssertionError("a lax.cond in an engine program")
+
+    monkeypatch.setattr(jax.lax, "cond", device_cond)
+    engine = Engine(model(), max_slots=2, max_len=32, token_budget=8, decode_buckets=(2,))
+    engine.warmup()
 
 
 def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
