@@ -206,7 +206,9 @@ def bench_model(
     # a prefill step over a 256-sequence bucket would spend its memory on 248 empty
     # sequences' chunks and states.
     # The benchmark builds its steps itself and never warms up, so the unused kind of step
-    # gets one bucket (the engine checks that buckets cover its slots and budget).
+    # gets one bucket (the engine checks that buckets cover its slots and budget); prefill
+    # steps run in the engine's default token buckets (the ragged batch's padding is
+    # theirs).
     prefill_slots = max(dense[0], len(ragged))
     engines = dict(
         prefill=dict(
@@ -214,7 +216,6 @@ def bench_model(
             max_len=max(dense[1], max(ragged)),
             token_budget=budget,
             decode_buckets=(prefill_slots,),
-            token_buckets=(dense[0] * dense[1], budget),
         ),
         decode=dict(
             max_slots=max(decode_rows),

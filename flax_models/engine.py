@@ -158,8 +158,11 @@ class Engine:
       token_budget: prompt tokens per step (>= 1; decode rows come on top).
       decode_buckets: allowed decode-row counts; powers of two up to ``max_slots`` by
         default. The largest must hold ``max_slots`` rows (every sequence decoding).
-      token_buckets: allowed prefill token counts; powers of two up to ``token_budget`` by
-        default. The largest must hold ``token_budget`` tokens (a full prefill step).
+      token_buckets: allowed prefill token counts; by default powers of two from 16 up to
+        4096, then multiples of 4096 up to ``token_budget`` (``pk.token_buckets(policy=
+        "linear")``): a large step pads by less than 4096 tokens (a 22.5k-token prefill runs
+        in 24576, not 32768), for one more program per 4096 tokens of budget. The largest
+        must hold ``token_budget`` tokens (a full prefill step).
       kv_block_size: tokens per KV page (>= 1); the model's Mamba chunk size by default
         (256 without Mamba layers). With prefix caching and Mamba layers, a multiple of
         the chunk size (states are saved at chunk ends).
@@ -263,7 +266,7 @@ class Engine:
             token_buckets=_check_buckets(
                 "token_buckets",
                 token_buckets,
-                pk.token_buckets(token_budget, min_tokens=16),
+                pk.token_buckets(token_budget, min_tokens=16, policy="linear"),
                 covers=token_budget,
                 what="token_budget",
             ),

@@ -18,6 +18,7 @@ import collections
 import gzip
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel over N devices")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
-    parser.add_argument("--trace-dir", default="/tmp/profile_step")
+    parser.add_argument("--trace-dir", default="/tmp", help="the trace goes in a new folder here")
     args = parser.parse_args()
 
     cfg = MODELS[args.model](layer_pattern=args.pattern)
@@ -115,7 +116,7 @@ def main() -> None:
         f"for each, {statistics.median(launches):.3f} ms to launch one"
     )
 
-    trace_dir = Path(args.trace_dir)
+    trace_dir = Path(tempfile.mkdtemp(prefix="run_", dir=args.trace_dir))  # this run's only
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(args.steps):
             logits = engine.step(arrays, wait=False)
