@@ -791,8 +791,8 @@ class Engine:
                 launched = self._launch_next(waiting, running, hits, ahead=pending is not None)
                 if pending is not None:
                     yield from self._land(pending, running, stop, bar)
-                elif launched is None:
-                    raise AssertionError("the scheduler found nothing to run")
+                elif launched is None:  # nothing runs, so nothing will ever free
+                    raise RuntimeError(self._stall_reason(waiting[0]))
                 pending, launched = launched, None
         finally:
             for step in (pending, launched):
@@ -804,6 +804,21 @@ class Engine:
                 self.blocks.release(seq.slot)
             self._free_slots = free_on_entry
             bar.close()
+
+    def _stall_reason(self, seq: _Sequence) -> str:
+        """Why ``seq`` can never be admitted with nothing running: slots or pages held by
+        ``allocate_slot`` and direct ``step`` calls outside the generation."""
+        held = self.builder.num_slots - len(self._free_slots)
+        if not self._free_slots:
+            return (
+                f"request {seq.index} waits for a cache slot, but all {held} are held outside "
+                "generate (allocate_slot); release_slot() them first"
+            )
+        return (
+            f"request {seq.index} needs KV pages for {len(seq.prompt)} + "
+            f"{seq.params.max_new_tokens} tokens, but {held} slots held outside generate "
+            f"(allocate_slot and step) keep the pool's other pages; release_slot() them first"
+        )
 
     def _launch_next(
         self,

@@ -336,6 +336,24 @@ def test_a_failed_or_interrupted_generate_gives_its_slots_back(small_engine, mon
     assert small_engine.generate(prompts, 4) == expected
 
 
+def test_slots_held_outside_generate_stop_it_with_an_error_not_a_hang():
+    m = model()
+    engine = Engine(m, max_slots=2, max_len=32, token_budget=8, kv_block_size=4, num_kv_blocks=8)
+    prompts = random_prompts(np.random.default_rng(12), m.cfg.vocab_size, (5, 6))
+    expected = engine.generate(prompts, 3)
+    held = [engine.allocate_slot(), engine.allocate_slot()]
+    with pytest.raises(RuntimeError, match="all 2 are held outside generate"):
+        engine.generate(prompts, 3)
+    engine.release_slot(held.pop())
+    # The held slot's direct steps take 6 of the 8 pages: a request needing 3 never fits.
+    for done in (0, 8, 16):
+        engine.step(engine.builder.build([], [Request(held[0], [1] * 8, done)]))
+    with pytest.raises(RuntimeError, match="1 slots held outside generate"):
+        engine.generate(prompts, 8)
+    engine.release_slot(held[0])
+    assert engine.generate(prompts, 3) == expected
+
+
 def test_out_of_range_token_ids_are_rejected_before_any_step(small_engine):
     vocab = model().cfg.vocab_size
     prefill_before = small_engine.stats["prefill_tokens"]
