@@ -7,6 +7,10 @@ weights ``[C, 1, K]`` → ``[C, K]``, Granite's fused gate|up split in two, per-
 weights stacked and expert weights ``[E, out, in]`` → ``[E, in, out]``), checks its shape
 against the abstract model, and raises one ``ValueError`` listing every missing,
 unexpected or mis-shaped tensor. Tied embeddings need no ``lm_head``.
+
+Tensors are read on demand (``flax_models.lazy_tensors``): the transforms make views, the
+shapes are checked before anything is read, and a sharded load reads for each device the
+parts of the files its shards hold.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from safetensors.numpy import load_file
+from safetensors import safe_open
 
 from flax_models.config import HybridConfig
+from flax_models.lazy_tensors import LazyTensor, StoredTensor, stack
 from flax_models.model import HybridLM
 from flax_models.sharding import check_tp, param_spec, tp_layout, tp_size
 
@@ -81,6 +86,11 @@ def _same(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` cut in two along its first axis."""
+    return x[: len(x) // 2], x[len(x) // 2 :]
+
+
 def _experts(x: np.ndarray) -> np.ndarray:
     """Stacked expert linears [E, out, in] → grouped-matmul weights [E, in, out]."""
     return x.transpose(0, 2, 1)
@@ -109,7 +119,7 @@ _PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
     (
         r"input_linear\.weight$",
         ("gate.kernel", "up.kernel"),
-        lambda x: tuple(_linear(h) for h in np.split(x, 2, axis=0)),
+        lambda x: tuple(_linear(h) for h in _halves(x)),
     ),
     (r"output_linear\.weight$", "down.kernel", _linear),
     (r"conv1d\.weight$", "conv_weight", _conv),
@@ -167,11 +177,12 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray
         if missing or len(shapes) > 1:
             errors.append(f"{name}: experts {missing} missing, expert shapes {sorted(shapes)}")
         else:
-            stacked[name] = np.stack([experts[e] for e in range(len(experts))])
+            stacked[name] = stack([experts[e] for e in range(len(experts))])
     return stacked, errors
 
 
-def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
+def _read_tensors(directory: Path) -> dict[str, LazyTensor]:
+    """Every tensor of the directory's safetensors files, opened (nothing read yet)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -179,9 +190,10 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {directory}")
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, LazyTensor] = {}
     for name in files:
-        tensors.update(load_file(directory / name))
+        handle = safe_open(directory / name, framework="numpy")
+        tensors.update({key: StoredTensor(handle, key) for key in handle.keys()})  # noqa: SIM118
     return tensors
 
 
@@ -194,9 +206,10 @@ def load_hf_checkpoint(
 ) -> HybridLM:
     """Builds a ``HybridLM`` from a Hugging Face directory (config.json + safetensors).
 
-    With ``mesh`` (an axis ``"tp"``), each tensor goes from the host straight into its
-    shards (``jax.device_put`` with its ``NamedSharding``, in the tp-major layout of
-    ``flax_models.sharding``), as ``HybridLM(..., mesh=mesh)`` places them.
+    With ``mesh`` (an axis ``"tp"``), each parameter is built shard by shard
+    (``jax.make_array_from_callback`` with its ``NamedSharding``, in the tp-major layout of
+    ``flax_models.sharding``), as ``HybridLM(..., mesh=mesh)`` places them: each process
+    reads the parts of the files its devices' shards hold, a replicated tensor once.
 
     Weights are cast to ``dtype`` except ``A_log``, ``D`` and ``dt_bias`` (fp32 always).
     Raises ``ValueError`` naming every missing, unexpected or mis-shaped tensor (with
@@ -211,7 +224,7 @@ def load_hf_checkpoint(
     )
     graphdef, state = nnx.split(abstract)
     expected = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
-    filled: dict[str, np.ndarray] = {}
+    filled: dict[str, LazyTensor] = {}
     tensors, errors = _stack_experts(_read_tensors(directory))
     for name, tensor in sorted(tensors.items()):
         targets = hf_to_module_paths(cfg.family, name, tensor)
@@ -238,10 +251,10 @@ def load_hf_checkpoint(
             f"({len(errors)} problems):\n  " + "\n  ".join(errors)
         )
     if mesh is None:
-        flat = [
-            (path, var.replace(jnp.asarray(filled[".".join(map(str, path))], var.dtype)))
-            for path, var in nnx.to_flat_state(state)
-        ]
+        flat = []
+        for path, var in nnx.to_flat_state(state):
+            value = np.asarray(filled[".".join(map(str, path))])
+            flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
     graphdef = nnx.graphdef(
         nnx.eval_shape(
@@ -258,7 +271,22 @@ def load_hf_checkpoint(
     tp, flat = tp_size(mesh), []
     for path, var in nnx.to_flat_state(state):
         names = tuple(map(str, path))
-        value = tp_layout(names, filled[".".join(names)].astype(var.dtype), cfg, tp)
+        value = tp_layout(names, filled[".".join(names)], cfg, tp)
         sharding = NamedSharding(mesh, param_spec(names, value.ndim))
-        flat.append((path, var.replace(jax.device_put(value, sharding))))
+        array = jax.make_array_from_callback(value.shape, sharding, _shard_reader(value, var.dtype))
+        flat.append((path, var.replace(array)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _shard_reader(value: LazyTensor, dtype) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """The callback of ``jax.make_array_from_callback``: the shard at an index, read once
+    per distinct index (devices holding copies of a shard share the read)."""
+    read: dict[tuple, np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in read:
+            read[key] = np.asarray(value.read(index)).astype(dtype)
+        return read[key]
+
+    return shard

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from flax_models.cache import AttentionCache, LayerCache, MambaCache, ParallelCache
 from flax_models.config import HybridConfig
+from flax_models.lazy_tensors import LazyTensor
 
 TP = "tp"  # the mesh axis the heads are split over
 
@@ -158,12 +159,15 @@ def _layout_rule(path: tuple[str, ...], cfg: HybridConfig) -> tuple[str, int] | 
 
 
 def tp_layout(path: tuple[str, ...], value, cfg: HybridConfig, tp: int):
-    """``value`` (NumPy or JAX) of the parameter at module ``path`` in the single-device
-    layout → the tp-major layout (a gather along one axis; unchanged for most parameters)."""
+    """``value`` (NumPy, JAX or a ``LazyTensor``) of the parameter at module ``path`` in the
+    single-device layout → the tp-major layout (a gather along one axis; unchanged for most
+    parameters)."""
     rule = _layout_rule(path, cfg) if tp > 1 else None
     if rule is None:
         return value
     order, axis = rule
+    if isinstance(value, LazyTensor):  # a checkpoint's tensor, not read yet
+        return value.take(_order(cfg, tp, order), axis=axis)
     xp = np if isinstance(value, np.ndarray) else jax.numpy
     return xp.take(value, _order(cfg, tp, order), axis=axis)
 

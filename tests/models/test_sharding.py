@@ -64,6 +64,29 @@ for name, tps in cases.items():
         out["logits"][f"{name}@{tp}"] = rel(want, model(ids))
         lap(f"{name}@{tp}")
 
+# A tp=4 load reads each device's shards from the files (bytes read per tensor, counted
+# under safe_open): a split tensor once in all, not once per device.
+import flax_models.checkpoint as checkpoint
+from safetensors.numpy import load_file
+real_open, read = checkpoint.safe_open, {}
+class CountingSlice:
+    def __init__(self, name, inner): self.name, self.inner = name, inner
+    def get_shape(self): return self.inner.get_shape()
+    def __getitem__(self, key):
+        out = self.inner[key]
+        read[self.name] = read.get(self.name, 0) + out.nbytes
+        return out
+class CountingFile:
+    def __init__(self, inner): self.inner = inner
+    def keys(self): return self.inner.keys()
+    def get_slice(self, name): return CountingSlice(name, self.inner.get_slice(name))
+checkpoint.safe_open = lambda *args, **kwargs: CountingFile(real_open(*args, **kwargs))
+load_hf_checkpoint("tests/fixtures/bamba", implementation="xla", mesh=mesh[4])
+checkpoint.safe_open = real_open
+stored = load_file("tests/fixtures/bamba/model.safetensors")
+out["bytes_read"] = {name: [read.get(name, 0), t.nbytes] for name, t in stored.items()}
+lap("bytes read")
+
 # Random init straight into shards equals the single-device init (same draws).
 cfg = HybridConfig.tiny()
 want = forward(HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(3)), ids % cfg.vocab_size)
@@ -157,6 +180,20 @@ def test_parameters_and_caches_are_split(results):
     full, shard = results["full_shape"], results["shard_shape"]
     assert shard == [full[0], full[1] // 2]
     assert results["cache_spec"][:2] == ["None", "tp"]
+
+
+def test_a_sharded_load_reads_each_shard_from_the_files(results):
+    read = results["bytes_read"]
+    # Row- and column-split tensors: every byte once over the four devices.
+    for name in ("mamba.out_proj", "feed_forward.up_proj"):
+        name = f"model.layers.0.{name}.weight"
+        assert read[name][0] == read[name][1], name
+    # in_proj: z, x and dt split; the one B/C group copied to every device (16 rows each).
+    copies = 3 * 2 * 16 * 64 * 4
+    name = "model.layers.0.mamba.in_proj.weight"
+    assert read[name][0] == read[name][1] + copies
+    total_read, total = (sum(v[i] for v in read.values()) for i in (0, 1))
+    assert total <= total_read <= 1.5 * total  # not four times over
 
 
 def test_engine_generates_the_single_device_tokens(results):
