@@ -244,6 +244,7 @@ def test_param_specs_and_checks():
 
 # ---------------------------------------------------------------- two processes
 
+_PROMPTS = [[1, 2, 3, 4, 5], [7] * 20, [9, 3]]
 _HOST_SCRIPT = r"""
 import sys
 import jax
@@ -253,20 +254,24 @@ port, process, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(
     f"127.0.0.1:{port}", num_processes=2, process_id=process, initialization_timeout=60
 )
-from flax_models import load_hf_checkpoint
+from flax_models import Engine, load_hf_checkpoint
 
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))  # 2 processes x 2 devices
 ids = np.random.default_rng(0).integers(0, 96, (2, 19))
 model = load_hf_checkpoint("tests/fixtures/bamba", implementation="xla", mesh=mesh)
 logits = model(ids)  # replicated: every process holds all of it
-np.save(out, np.asarray(logits.addressable_shards[0].data))
+# The engine on the global mesh: every process runs the same scheduler on the same requests.
+engine = Engine(model, max_slots=2, max_len=40, token_budget=16)
+tokens = engine.generate(PROMPTS, 5)
+np.savez(out, logits=np.asarray(logits.addressable_shards[0].data), tokens=np.asarray(tokens))
 jax.distributed.shutdown()
 """
 
 
 def test_two_processes_match_a_single_device(tmp_path):
     """tp = 4 over two CPU processes of two devices each, under
-    ``jax.distributed.initialize()`` on 127.0.0.1; both processes stop on their own."""
+    ``jax.distributed.initialize()`` on 127.0.0.1; both processes stop on their own. The
+    logits and the engine's greedy tokens are the single device's."""
     import socket
 
     with socket.socket() as s:
@@ -275,10 +280,17 @@ def test_two_processes_match_a_single_device(tmp_path):
     env = dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
     )
-    outs = [tmp_path / f"logits_{p}.npy" for p in (0, 1)]
+    outs = [tmp_path / f"out_{p}.npz" for p in (0, 1)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _HOST_SCRIPT, str(port), str(p), str(outs[p])],
+            [
+                sys.executable,
+                "-c",
+                f"PROMPTS = {_PROMPTS!r}\n" + _HOST_SCRIPT,
+                str(port),
+                str(p),
+                str(outs[p]),
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -294,10 +306,14 @@ def test_two_processes_match_a_single_device(tmp_path):
             proc.kill()
     for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log[-4000:]
-    from flax_models import load_hf_checkpoint
+    from flax_models import Engine, load_hf_checkpoint
 
     ids = np.random.default_rng(0).integers(0, 96, (2, 19))
-    want = np.asarray(load_hf_checkpoint(ROOT / "tests/fixtures/bamba", implementation="xla")(ids))
+    single = load_hf_checkpoint(ROOT / "tests/fixtures/bamba", implementation="xla")
+    want = np.asarray(single(ids))
+    tokens = Engine(single, max_slots=2, max_len=40, token_budget=16).generate(_PROMPTS, 5)
     for out in outs:
         got = np.load(out)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
+        error = np.linalg.norm(got["logits"] - want) / np.linalg.norm(want)
+        assert error <= 1e-5
+        assert got["tokens"].tolist() == tokens
