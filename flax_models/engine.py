@@ -7,10 +7,13 @@ bucketed batch. Caches are donated to the jitted step and updated in place. Requ
 as slots free up and leave when done (continuous batching); a prompt longer than the
 budget is spread over several steps (chunked prefill).
 
-Sampling runs inside the jitted step (``flax_models.serving.sampling``), with each row's
-temperature, top-k, top-p, seed and token counter as data, so a step is one program per
-bucket whatever the mix of sampling settings: after ``warmup()`` every program a
-generation can need is compiled and ``compile_count`` stays put. Each request draws with
+Sampling runs on the device right after the step (``flax_models.serving.sampling``), with
+each row's temperature, top-k, top-p, seed and token counter as data, so a step is one
+program per bucket whatever the mix of sampling settings, and the sampler one of three per
+count of rows (greedy, drawing, drawing with top-k/top-p), picked on the host: after
+``warmup()`` every program a generation can need is compiled and ``compile_count`` stays
+put. Nothing in either waits on the host, so ``stream`` launches step n + 1 before it reads
+step n's tokens (``_schedule``). Each request draws with
 its own key, ``fold_in(key(seed), index of the token among its generated tokens)``, so its
 tokens never depend on what it is batched with.
 

@@ -196,7 +196,8 @@ def sample_tokens(
     logits only) or a single key (row ``r`` then draws with ``fold_in(key, r)``).
     ``temperature`` (scalar or ``f32[R]``), ``top_k`` (scalar or ``int32[R]``) and
     ``top_p`` (scalar or ``f32[R]``) are data, not static arguments: under ``jax.jit`` one
-    program serves every setting (the engine samples inside its step this way). In an
+    program serves every setting (the engine's sampler runs this way, with ``draws`` and
+    ``restricts`` given). In an
     array, ``top_k < 1`` or ``>= V`` and ``top_p`` outside ``(0, 1)`` mean no restriction
     (how a row says None); a Python scalar must be valid (``ValueError`` otherwise).
 
