@@ -282,6 +282,11 @@ def _kv_loop(kv_block, carry, lo_blk, mid_lo, mid_hi, hi_blk):
     return jax.lax.fori_loop(mid_hi, hi_blk, functools.partial(kv_block, masked=True), carry)
 
 
+# Paged block tables up to this many entries per row are held in registers by the KV loops
+# (:func:`_kv_lines`); wider ones are read entry by entry.
+_TABLE_IN_REGISTERS: Final = 256
+
+
 def _kv_lines(table_ref, r, *, page_size: int | None, num_lines: int):
     """``start -> (line, row)``: where keys ``start..start+block_k`` of table row ``r`` lie.
 
@@ -295,6 +300,24 @@ def _kv_lines(table_ref, r, *, page_size: int | None, num_lines: int):
     if page_size is None:
         slot = table_ref[r, 0]
         return lambda start: (slot, start)
+    width = table_ref.shape[1]
+    if width <= _TABLE_IN_REGISTERS:
+        # The row's page ids are read once, before the KV loop, and each block picks its
+        # page from registers: a page id loaded inside the loop made every K/V tile load
+        # wait on it, which kept Triton from prefetching the tiles (the paged prefill ran
+        # 21-27% behind the contiguous one).
+        entries = block_dim(width)
+        index = jnp.arange(entries)
+        pages = plgpu.load(
+            table_ref.at[r, pl.ds(static_index(0), entries)], mask=index < width, other=0
+        )
+        pages = jnp.clip(pages, 0, num_lines - 1)
+
+        def from_registers(start):
+            page = jnp.sum(jnp.where(index == start // page_size, pages, 0))
+            return page, start % page_size
+
+        return from_registers
 
     def paged(start):
         page = table_ref[r, start // page_size]
