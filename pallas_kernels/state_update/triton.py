@@ -37,10 +37,12 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, state_dim: int) -> BlockSizes:
-    """Heuristic: tiles of about 4k elements (32 fp32 registers per thread with 4 warps),
-    so each program keeps its whole tile in registers and many programs are in flight."""
-    block_p = max(1, min(block_dim(head_dim), 4096 // block_dim(state_dim)))
-    return BlockSizes(block_p=block_p, num_warps=4)
+    """Heuristic: tiles of up to 8k elements with 8 warps (32 fp32 registers per thread),
+    a whole head of Mamba2's 64 × 128 states per program. On the H200 (64 and 256 rows, H
+    128, P 64, N 128, fp32 states) that reached 85-86% of the copy rate with the state
+    loads kept in L2 for their write-back, against 82% for 4k tiles with 4 warps."""
+    block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
+    return BlockSizes(block_p=block_p, num_warps=8)
 
 
 def _kernel(
@@ -76,8 +78,12 @@ def _kernel(
     @pl.when(slot >= 0)
     def _():
         tile = p_live[:, None] & n_live[None, :]
+        # evict_last: the tile is written back right after, to the same lines.
         state = plgpu.load(
-            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)], mask=tile, other=0.0
+            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)],
+            mask=tile,
+            other=0.0,
+            eviction_policy="evict_last",
         ).astype(jnp.float32)
         bias = None if dt_bias_ref is None else dt_bias_ref[h]
         dt = process_dt(
