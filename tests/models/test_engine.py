@@ -51,6 +51,14 @@ def backend_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def program_count(engine: Engine) -> int:
+    """A step program per bucket, and the sampler's three (greedy, drawing, drawing with
+    top-k/top-p) per count of sequence rows."""
+    builder = engine.builder
+    row_counts = {d + (builder.prefill_seqs if t else 0) for d, t in builder.buckets()}
+    return len(builder.buckets()) + 3 * len(row_counts)
+
+
 def random_prompts(rng, vocab: int, lengths) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab, size=n)] for n in lengths]
 
@@ -125,10 +133,7 @@ def test_no_compilation_after_warmup():
     engine = Engine(m, max_slots=4, max_len=64, token_budget=16)
     with backend_compiles() as at_warmup:
         compiled = engine.warmup()
-    # A step per bucket; the sampler's three (greedy, drawing, top-k/top-p) per row count.
-    builder = engine.builder
-    row_counts = {d + (builder.prefill_seqs if t else 0) for d, t in builder.buckets()}
-    assert compiled == len(builder.buckets()) + 3 * len(row_counts) == len(at_warmup), at_warmup
+    assert compiled == program_count(engine) == len(at_warmup), at_warmup
     rng = np.random.default_rng(4)
     with backend_compiles() as after_warmup:
         for _ in range(100):
