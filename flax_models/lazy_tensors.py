@@ -84,9 +84,11 @@ class StoredTensor(LazyTensor):
         if any(p.size == 0 for p in positions):
             return np.empty(tuple(p.size for p in positions), self.dtype)
         runs = [_runs(p) for p in positions]
-        split = next((a for a, r in enumerate(runs) if len(r) > 1), 0)
         lows = [int(p.min()) for p in positions]
         cover = [slice(low, int(p.max()) + 1) for low, p in zip(lows, positions, strict=True)]
+        if all(len(r) == 1 for r in runs):  # one block, e.g. a whole tensor: no gather
+            return np.asarray(self._slice[tuple(cover)])
+        split = next(a for a, r in enumerate(runs) if len(r) > 1)
         blocks = []
         for run in runs[split]:
             cover[split] = slice(int(run[0]), int(run[-1]) + 1)
