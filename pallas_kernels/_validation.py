@@ -7,6 +7,7 @@ arrays and run on the host; jitted kernels stay in bounds whatever the data.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import checked_slots
+
+
+def check_int(name: str, value: object, *, low: int | None = None, what: str | None = None) -> int:
+    """``value`` as an int (bools and fractional numbers refused), ``>= low`` when given;
+    ``ValueError`` naming ``name`` (and ``what`` the bound is, when given) otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int") from None
+    if low is not None and number < low:
+        bound = low if what is None else f"{what}={low}"
+        raise ValueError(f"{name}={number} must be >= {bound}")
+    return number
 
 
 def check_shape(name: str, array: jax.Array, expected: Sequence[int | None], letters: str) -> None:

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Sequence
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels._validation import check_int
 
 
 @jax.tree_util.register_dataclass
@@ -204,21 +205,6 @@ _SQRT2_ALIGN = 16
 _LINEAR_STEP = 4096
 
 
-def _check_size(name: str, value: object, *, low: int, what: str | None = None) -> int:
-    """``value`` as an int ``>= low``; ``ValueError`` naming ``name`` (and ``what`` the
-    bound is) otherwise."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        size = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be an int") from None
-    if size < low:
-        bound = low if what is None else f"{what}={low}"
-        raise ValueError(f"{name}={value!r} must be >= {bound}")
-    return size
-
-
 def token_buckets(
     max_tokens: int,
     *,
@@ -253,8 +239,8 @@ def token_buckets(
       step: ``linear``'s step (>= the smallest bucket bound ``min(min_tokens,
         max_tokens)``); None for 4096. Only ``linear`` takes it.
     """
-    max_tokens = _check_size("max_tokens", max_tokens, low=1)
-    min_tokens = _check_size("min_tokens", min_tokens, low=1)
+    max_tokens = check_int("max_tokens", max_tokens, low=1)
+    min_tokens = check_int("min_tokens", min_tokens, low=1)
     if policy not in TOKEN_BUCKET_POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {TOKEN_BUCKET_POLICIES}")
     if step is not None and policy != "linear":
@@ -279,7 +265,7 @@ def token_buckets(
                 return tuple(sizes)
     if step is None:
         step = _LINEAR_STEP
-    step = _check_size("step", step, low=low, what="min(min_tokens, max_tokens)")
+    step = check_int("step", step, low=low, what="min(min_tokens, max_tokens)")
     sizes = [s for s in power_of_two_buckets(max_tokens, min_size=low) if s < step]
     multiple = step
     while not sizes or sizes[-1] < max_tokens:

@@ -20,30 +20,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import operator
 from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._validation import check_int
+
 # Seeds are 32-bit: the step builds keys from uint32 data (not constants, so one program
 # serves every seed); jax.random.key(seed) gives the same key for these seeds.
 SEED_LIMIT = 2**32
-
-
-def check_int(name: str, value: object, *, low: int | None = None) -> int:
-    """``value`` as an int (bools and fractional numbers refused), ``>= low`` when given;
-    ``ValueError`` naming ``name`` otherwise."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be an int") from None
-    if low is not None and number < low:
-        raise ValueError(f"{name}={number} must be >= {low}")
-    return number
 
 
 def _number(name: str, value: object) -> float:
