@@ -139,8 +139,7 @@ def filter_logits(
     logits = logits.astype(jnp.float32)
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     scaled = shifted / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    limit_k = (top_k >= 1) & (top_k < vocab)
-    limit_p = (top_p > 0) & (top_p < 1)
+    limit_k, limit_p = _restrictions(top_k, top_p, vocab)
 
     def restrict(scaled: jax.Array) -> jax.Array:
         # k and p are data: one sort per row (lax.top_k's k is static), then each cutoff is
@@ -221,9 +220,14 @@ def sampler_flags(arrays: dict[str, np.ndarray], vocab_size: int) -> tuple[bool,
     """``(draws, restricts)`` of ``sample_tokens`` for the rows of ``sampling_arrays``:
     whether some row draws, and whether some drawing row has a top-k or top-p."""
     drawing = arrays["temperature"] > 0
-    top_k, top_p = arrays["top_k"], arrays["top_p"]
-    limited = ((top_k >= 1) & (top_k < vocab_size)) | ((top_p > 0) & (top_p < 1))
-    return bool(drawing.any()), bool((drawing & limited).any())
+    limit_k, limit_p = _restrictions(arrays["top_k"], arrays["top_p"], vocab_size)
+    return bool(drawing.any()), bool((drawing & (limit_k | limit_p)).any())
+
+
+def _restrictions(top_k, top_p, vocab_size: int):
+    """Per row, whether ``top_k`` and ``top_p`` (NumPy or JAX arrays) restrict the
+    vocabulary: ``top_k`` in ``[1, V)``, ``top_p`` in ``(0, 1)``."""
+    return (top_k >= 1) & (top_k < vocab_size), (top_p > 0) & (top_p < 1)
 
 
 _GREEDY = SamplingParams(max_new_tokens=0)
