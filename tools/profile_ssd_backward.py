@@ -38,15 +38,17 @@ from pallas_kernels.testing import relative_error
 NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias")
 TARGET_G1_MS = 9.85  # mamba-ssm's forward + backward on this problem (shared/ANCHORS.md)
 # Backward tilings tried on the G 1 problem besides the default (fields of
-# ssd.triton_backward.BackwardBlockSizes).
+# ssd.triton_backward.BackwardBlockSizes): the neighbours of the default's tiles.
 SWEEP = (
-    dict(dbc_num_warps=4),
-    dict(block_m=32, dbc_num_warps=4),
-    dict(block_k=64),
-    dict(block_m=128, block_k=32, num_warps=8),
-    dict(block_t=64),
+    dict(block_k=32),
+    dict(block_k=128),
+    dict(dbc_block_k=64),
+    dict(dbc_block_k=256),
+    dict(dbc_block_m=128),
+    dict(dbc_num_stages=2),
+    dict(dbc_num_stages=4),
+    dict(num_stages=3),
     dict(max_heads_per_program=32),
-    dict(max_heads_per_program=8),
 )
 
 

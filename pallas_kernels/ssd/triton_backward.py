@@ -82,33 +82,53 @@ class BackwardBlockSizes:
     block_k: int = 32  # chunk rows per step of their loops over the chunk
     block_t: int = 128  # chunk rows per step of the state pass
     num_warps: int = 4  # warps per state-pass and chunk_dx program
+    # chunk_dbc's own tiles (None: block_m, block_k): its ∂W tiles [dbc_block_m,
+    # dbc_block_k] are summed over up to max_heads_per_program heads before each product
+    # with B or C, so wider tiles mean fewer, larger products.
+    dbc_block_m: int | None = None
+    dbc_block_k: int | None = None
     dbc_num_warps: int = 8  # warps per chunk_dbc program (two [block_m, N] fp32 accumulators)
-    num_stages: int = 2  # software-pipelining depth of the loops
+    num_stages: int = 2  # software-pipelining depth of the state pass and chunk_dx loops
+    dbc_num_stages: int = 3  # the same for chunk_dbc's loops
     # Heads of a group one chunk_dbc program sums at most (a divisor of H / G is taken):
     # G = 1 with 128 heads runs 8 head splits, so a chunk's row blocks fill the device;
     # the splits' fp32 partial dB, dC ([splits, T, G, N]) are summed outside.
     max_heads_per_program: int = 16
 
     def __post_init__(self):
-        for name in ("block_m", "block_k", "block_t"):
+        for name in ("block_m", "block_k", "block_t", "dbc_block_m", "dbc_block_k"):
             value = getattr(self, name)
+            if value is None and name.startswith("dbc_"):
+                continue
             if value < MIN_DOT_DIM or value & (value - 1):
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
-        for name in ("num_warps", "dbc_num_warps", "num_stages", "max_heads_per_program"):
+        for name in (
+            "num_warps",
+            "dbc_num_warps",
+            "num_stages",
+            "dbc_num_stages",
+            "max_heads_per_program",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
 def default_backward_block_sizes(config: forward.BlockSizes) -> BackwardBlockSizes:
-    """The forward's tiles (the backward's loops walk the same chunks), with 8 warps at
-    least for chunk_dbc, whose two fp32 accumulators would spill on 4."""
+    """The forward's row blocks (the backward's loops walk the same chunks), with wider
+    steps over the chunk: 64 rows per chunk_dx step and ∂W tiles of 128 columns in
+    chunk_dbc, pipelined 3 deep, on 8 warps at least (its two fp32 accumulators would spill
+    on 4). On one H200, G 1 chunk 256 (``tools/profile_ssd_backward.py --sweep``): chunk_dx
+    2.58 → 2.44 ms and chunk_dbc 6.23 → 2.97 ms against 32-row steps pipelined 2 deep;
+    3 stages would slow the state pass (0.68 → 0.93 ms)."""
     return BackwardBlockSizes(
         block_m=config.block_m,
-        block_k=min(config.block_k, config.block_m),
+        block_k=min(64, config.block_m),
         block_t=config.block_t,
         num_warps=config.num_warps,
+        dbc_block_k=128,
         dbc_num_warps=max(config.num_warps, 8),
         num_stages=config.num_stages,
+        dbc_num_stages=3,
     )
 
 
@@ -601,7 +621,8 @@ def chunk_dbc(
     """Stage 3: ``(dB, dC)`` partials ``[splits, T, G, bn]`` fp32 (rows past the chunks
     unwritten)."""
     bcs = s.block_chunk
-    block_m, block_k = min(blocks.block_m, bcs), min(blocks.block_k, bcs)
+    block_m = min(blocks.block_m if blocks.dbc_block_m is None else blocks.dbc_block_m, bcs)
+    block_k = min(blocks.block_k if blocks.dbc_block_k is None else blocks.dbc_block_k, bcs)
     per_group = s.heads // s.groups
     per_program = heads_per_program(per_group, blocks)
     splits = per_group // per_program
@@ -619,7 +640,7 @@ def chunk_dbc(
         grid=(bcs // block_m, s.max_chunks, s.groups * splits),
         out_shape=(part, part),
         compiler_params=compiler_params(
-            num_warps=blocks.dbc_num_warps, num_stages=blocks.num_stages
+            num_warps=blocks.dbc_num_warps, num_stages=blocks.dbc_num_stages
         ),
         interpret=interpret,
         name=f"ssd_bwd_chunk_dbc_cs{s.chunk_size}_bm{block_m}_bk{block_k}_hp{per_program}",

@@ -374,9 +374,11 @@ def test_ssd_triton_bf16_gradients():
         assert_close(as_f32(g), as_f32(r), rtol=_bf16_tol(name), name=name)
 
 
-def test_ssd_backward_head_splits_sum_to_the_same_gradients():
+def test_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
     """chunk_dbc programs summing one head each (2 splits per group, partial dB and dC
-    summed outside) give the sums of programs summing the whole group."""
+    summed outside), or walking the chunk in 16-column ∂W tiles (the masked diagonal tile,
+    the full tiles before it and those after it) instead of the default's one 32-column
+    tile, give the sums of programs summing the whole group in one tile."""
     primals, metadata, _ = _inputs(10)
     x, _, _, B, C, _, z, _, _ = primals
     rng = np.random.default_rng(11)
@@ -400,17 +402,21 @@ def test_ssd_backward_head_splits_sum_to_the_same_gradients():
         s, metadata, dy, z, C, res, dstates, intermediate=False, blocks=default, interpret=True
     )
     total = int(metadata.cu_chunk_seqlens[-1])
+    assert default.dbc_block_k >= CS  # one ∂W tile per chunk
     sums = []
-    for per_program in (H // G, 1):
+    for per_program, dbc_block_k in ((H // G, None), (1, None), (H // G, 16)):
         blocks = dataclasses.replace(default, max_heads_per_program=per_program)
+        if dbc_block_k is not None:
+            blocks = dataclasses.replace(blocks, dbc_block_k=dbc_block_k)
         assert ssd_backward.heads_per_program(H // G, blocks) == per_program
         parts = ssd_backward.chunk_dbc(
             s, metadata.cu_chunk_seqlens, x, B, C, res, ds_out, dyg, blocks=blocks, interpret=True
         )
         assert parts[0].shape[0] == H // G // per_program
         sums.append([np.asarray(p).sum(axis=0)[:total] for p in parts])
-    for name, a, b in zip(("dB", "dC"), *sums, strict=True):
-        assert_close(a, b, rtol=1e-6, name=name)
+    for other in sums[1:]:
+        for name, a, b in zip(("dB", "dC"), sums[0], other, strict=True):
+            assert_close(a, b, rtol=1e-6, name=name)
 
 
 def test_ssd_triton_backward_runs_its_own_kernels():
