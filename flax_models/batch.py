@@ -16,6 +16,13 @@ the remaining (prefill) sequences through the chunked scan. Example, ``num_decod
 When serving, attention K/V live in a page pool and ``block_table[b]`` lists sequence
 ``b``'s pages; with prefix caching ``snapshots`` says where the step saves Mamba states at
 block boundaries (``StateSnapshots``).
+
+A *grouped* batch (``groups = G > 1``, the engine on a mesh with a ``"dp"`` axis of size G;
+``make_grouped_forward_batch``) is G batches of the same shapes stacked on a leading axis,
+``query_start_loc[G, B + 1]``, ``positions[G, T]``, …, over packed tokens ``[G · T, ...]``
+(group g's are rows ``g·T .. (g+1)·T``). Group g's slot ids, pages and snapshot entries are
+local to its share of the caches (``flax_models.sharding``: each dp group of devices holds
+its own slots), and ``batch.group(g)`` is its ordinary batch.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class ForwardBatch:
       block_table: [B, max_blocks] each sequence's KV pages (paged caches), or None
         (contiguous slot caches).
       snapshots: the states this step saves (prefix caching), or None.
+      groups: static; > 1 for a grouped batch (every array above has a leading axis
+        ``[groups, ...]``, one batch per slot group, with group-local ids).
     """
 
     query_start_loc: jax.Array
@@ -82,6 +91,13 @@ class ForwardBatch:
     num_decode: int = dataclasses.field(default=0, metadata=dict(static=True))
     block_table: jax.Array | None = None
     snapshots: StateSnapshots | None = None
+    groups: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    def group(self, g: int) -> ForwardBatch:
+        """Group ``g``'s own batch of a grouped batch (``groups = 1``)."""
+        if self.groups == 1:
+            raise ValueError("group() needs a grouped batch (groups > 1)")
+        return dataclasses.replace(jax.tree.map(lambda x: x[g], self), groups=1)
 
     @property
     def has_initial_state(self) -> jax.Array:
@@ -138,3 +154,37 @@ def make_forward_batch(
         block_table=None if block_table is None else block_table.astype(jnp.int32),
         snapshots=snapshots,
     )
+
+
+def make_grouped_forward_batch(
+    query_start_loc: jax.Array,
+    num_computed_tokens: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    num_tokens: int,
+    chunk_size: int,
+    num_decode: int = 0,
+    block_table: jax.Array | None = None,
+    snapshots: StateSnapshots | None = None,
+) -> ForwardBatch:
+    """``make_forward_batch`` of each of G slot groups, stacked (``groups = G``):
+    ``query_start_loc[G, B + 1]``, ``num_computed_tokens[G, B]``, ``slot_ids[G, B]``
+    (group-local), ``block_table[G, B, max_blocks]`` and ``snapshots`` with a leading G axis
+    too; ``num_tokens`` and ``num_decode`` are each group's (the packed tokens are
+    ``[G · num_tokens]``)."""
+    groups = query_start_loc.shape[0]
+    if groups < 2:
+        raise ValueError(f"a grouped batch needs >= 2 groups, got query_start_loc {groups=}")
+    batch = jax.vmap(
+        lambda qsl, computed, slots, table, snaps: make_forward_batch(
+            qsl,
+            computed,
+            slots,
+            num_tokens=num_tokens,
+            chunk_size=chunk_size,
+            num_decode=num_decode,
+            block_table=table,
+            snapshots=snaps,
+        )
+    )(query_start_loc, num_computed_tokens, slot_ids, block_table, snapshots)
+    return dataclasses.replace(batch, groups=groups)

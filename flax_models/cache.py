@@ -11,7 +11,9 @@ of published blocks, restored into a slot when a prompt starts from that prefix.
 cache is one pytree returned from every step, so its buffers can be donated and updated in
 place. With a mesh (``flax_models.sharding``) the caches are split over ``"tp"`` as the
 mixers' heads are: conv channels in the tp-major layout, SSM heads, KV heads (copies of one
-KV head per device when tp > num_kv_heads).
+KV head per device when tp > num_kv_heads); the engine's caches on a mesh with a ``"dp"``
+axis are also split over dp on their leading axis (``groups``: slots, pages and snapshot
+entries in dp equal groups, each held by its group's devices).
 """
 
 from __future__ import annotations
@@ -67,17 +69,29 @@ def init_cache(
     num_blocks: int | None = None,
     block_size: int | None = None,
     num_snapshots: int = 0,
+    groups: int = 1,
 ) -> tuple[LayerCache, ...]:
     """Zero caches for every layer (``None`` for MLP-only layers); with ``mesh``, created
     straight into their shards over ``"tp"``.
+
+    ``groups > 1`` (the engine on a mesh with ``"dp"`` of that size): slots, pages and
+    snapshot entries are split over ``"dp"`` in ``groups`` equal, contiguous groups.
 
     ``num_blocks`` and ``block_size`` given: the attention caches are page pools
     ``[num_blocks, block_size, Hkv, D]`` (``max_len`` then bounds nothing here).
     ``num_snapshots > 0``: each Mamba2 layer gets a snapshot pool of that many entries.
     """
-    from flax_models.sharding import cache_specs, local_config, tp_size
+    from flax_models.sharding import cache_specs, dp_size, local_config, tp_size
 
     tp = tp_size(mesh)
+    if groups > 1:
+        if groups != dp_size(mesh):
+            raise ValueError(f"{groups=} needs a mesh with dp={groups}")
+        for name, rows in (("num_slots", num_slots), ("num_blocks", num_blocks)):
+            if rows is not None and rows % groups:
+                raise ValueError(f"{name}={rows} must be divisible by {groups=}")
+        if num_snapshots % groups:
+            raise ValueError(f"{num_snapshots=} must be divisible by {groups=}")
     local = local_config(cfg, tp)
     # tp-major layouts: each device's conv channels and (possibly copied) KV heads.
     conv_dim, kv_heads = tp * local.mamba_conv_dim, tp * local.num_kv_heads
@@ -122,7 +136,7 @@ def init_cache(
         return create()
     shardings = jax.tree.map(
         lambda spec: jax.sharding.NamedSharding(mesh, spec),
-        cache_specs(cfg, snapshots=num_snapshots > 0),
+        cache_specs(cfg, snapshots=num_snapshots > 0, groups=groups),
         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
     )
     return jax.jit(create, out_shardings=shardings)()

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from flax_models.config import HybridConfig
 from flax_models.lazy_tensors import LazyTensor, StoredTensor, stack
 from flax_models.model import HybridLM
-from flax_models.sharding import check_tp, param_spec, tp_layout, tp_size
+from flax_models.sharding import check_tp, param_spec, tp_layout, tp_size, with_tp_axis
 
 # 1) Family prefixes: HF name prefix → module path prefix. First match wins.
 _LAYER = r"^(?:backbone|model)\.layers\.(\d+)\."
@@ -206,7 +206,7 @@ def load_hf_checkpoint(
 ) -> HybridLM:
     """Builds a ``HybridLM`` from a Hugging Face directory (config.json + safetensors).
 
-    With ``mesh`` (an axis ``"tp"``), each parameter is built shard by shard
+    With ``mesh`` (an axis ``"tp"`` and/or ``"dp"``), each parameter is built shard by shard
     (``jax.make_array_from_callback`` with its ``NamedSharding``, in the tp-major layout of
     ``flax_models.sharding``), as ``HybridLM(..., mesh=mesh)`` places them: each process
     reads the parts of the files its devices' shards hold, a replicated tensor once.
@@ -217,6 +217,7 @@ def load_hf_checkpoint(
     """
     directory = Path(directory)
     cfg = HybridConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    mesh = with_tp_axis(mesh)  # a dp-only mesh: the specs name "tp" (of size 1)
     if mesh is not None:
         check_tp(cfg, tp_size(mesh))
     abstract = nnx.eval_shape(

@@ -26,6 +26,15 @@ snapshot saved when those blocks were computed (the chunk-aligned scan's state a
 block boundary, the conv window before it), inside the step that runs the prompt's first
 new tokens. Restores and saves are data of the step (``-1`` where none), so they add no
 program.
+
+On a mesh with a ``"dp"`` axis (data parallelism, ``flax_models.sharding``) the slots, the
+KV page pool and the snapshot pool are split into dp equal groups, each held by its group's
+devices, each group with its own prefix cache; a sequence is admitted into the group with
+the longest prefix hit, then the most free slots, then the most free pages, and takes pages
+and snapshots only from its group's pools. A step is still one program per
+bucket over the whole mesh: every group is laid out in the same buckets (the largest any
+group needs) and runs its own sequences on its own devices; the token budget is each
+group's (every group prefills up to ``token_budget`` tokens per step).
 """
 
 from __future__ import annotations
@@ -44,13 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from flax_models.batch import StateSnapshots, make_forward_batch
+from flax_models.batch import StateSnapshots, make_forward_batch, make_grouped_forward_batch
 from flax_models.batching import FROM_DEVICE, BatchBuilder, Request, StepArrays
 from flax_models.cache import init_cache, restore_snapshots
 from flax_models.model import HybridLM
-from flax_models.serving.prefix_cache import BlockManager, block_keys
+from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager, block_keys
 from flax_models.serving.sampling import (
     SamplingParams,
     check_int,
@@ -59,6 +69,7 @@ from flax_models.serving.sampling import (
     sampler_flags,
     sampling_arrays,
 )
+from flax_models.sharding import DP, cache_specs, dp_size
 
 __all__ = ["Engine", "TokenEvent", "sample_tokens"]
 
@@ -156,11 +167,14 @@ class Engine:
 
     Args:
       model: the model (its ``implementation`` picks the kernels).
-      max_slots: sequences in flight at once (>= 1); more requests wait.
+      max_slots: sequences in flight at once (>= 1); more requests wait. On a mesh with a
+        ``"dp"`` axis, divisible by dp: each slot group gets ``max_slots / dp`` of them.
       max_len: tokens per sequence, prompt + generated (>= 1).
-      token_budget: prompt tokens per step (>= 1; decode rows come on top).
-      decode_buckets: allowed decode-row counts; powers of two up to ``max_slots`` by
-        default. The largest must hold ``max_slots`` rows (every sequence decoding).
+      token_budget: prompt tokens per step (>= 1; decode rows come on top); with dp slot
+        groups, of each group.
+      decode_buckets: allowed decode-row counts (of each slot group); powers of two up to
+        ``max_slots / dp`` by default. The largest must hold ``max_slots / dp`` rows (every
+        sequence of a group decoding).
       token_buckets: allowed prefill token counts; by default powers of two from 16 up to
         4096, then multiples of 4096 up to ``token_budget`` (``pk.token_buckets(policy=
         "linear")``): a large step pads by less than 4096 tokens (a 22.5k-token prefill runs
@@ -171,18 +185,23 @@ class Engine:
         the chunk size (states are saved at chunk ends).
       num_kv_blocks: pages in the KV pool (>= 1); by default enough for every slot to
         hold ``max_len`` tokens. A request needing more pages than the pool holds is
-        rejected; one needing more than are free now waits.
+        rejected; one needing more than are free now waits. With dp slot groups,
+        divisible by dp (each group's share holds its sequences' pages).
       prefix_caching: reuse the attention pages and Mamba states of prompt prefixes
-        computed before (whole blocks); outputs are those without caching.
+        computed before (whole blocks); outputs are those without caching. With dp slot
+        groups each group caches its own prefixes (a hit uses its group's pages and
+        snapshots); a request goes to the group with the longest hit first.
       num_prefix_snapshots: entries of the Mamba state snapshot pool (prefix caching of a
         model with Mamba layers; H·P·N·4 bytes per Mamba layer each): ``2 * max_slots`` by
-        default. Least recently used snapshots are overwritten first.
+        default (divisible by dp with dp slot groups: each group gets an equal share).
+        Least recently used snapshots are overwritten first.
 
     Attributes:
       compile_count: programs compiled for this engine's steps: one per bucket, and the
         sampler's three (greedy, drawing, drawing with top-k/top-p) per count of sequence
         rows.
-      blocks: the ``BlockManager`` of the KV pages and the prefix cache.
+      blocks: the ``BlockManager`` of the KV pages and the prefix cache; with dp slot
+        groups a ``GroupedBlockManager`` (one ``BlockManager`` per group).
       stats: wall time and real tokens of the steps served, split into prefill (prompt
         tokens) and decode (one token per decode row): ``prefill_seconds``,
         ``prefill_tokens``, ``decode_seconds``, ``decode_tokens``. A mixed step runs both
@@ -207,6 +226,7 @@ class Engine:
         num_prefix_snapshots: int | None = None,
     ):
         max_slots = check_int("max_slots", max_slots, low=1)
+        groups = dp_size(model.mesh)  # the slot groups, one per "dp" index of the mesh
         max_len = check_int("max_len", max_len, low=1)
         token_budget = check_int("token_budget", token_budget, low=1)
         cfg = model.cfg
@@ -241,16 +261,35 @@ class Engine:
                 2 * max_slots if num_prefix_snapshots is None else num_prefix_snapshots,
                 low=1,
             )
+        if groups > 1:
+            for name, value in (
+                ("max_slots", max_slots),
+                ("num_kv_blocks", num_kv_blocks),
+                ("num_prefix_snapshots", num_snapshots),
+            ):
+                if value % groups:
+                    raise ValueError(
+                        f"{name}={value} must be divisible by the mesh's dp={groups} (each "
+                        "slot group holds an equal share)"
+                    )
         self.block_size = block_size
         self.prefix_caching = bool(prefix_caching)
-        self.blocks = BlockManager(
-            num_pages=num_kv_blocks,
-            block_size=block_size,
-            num_slots=max_slots,
-            max_blocks=max_blocks,
-            num_snapshots=num_snapshots,
-            prefix_caching=self.prefix_caching,
-            needs_state=has_mamba,
+        slots_per_group = max_slots // groups
+        self._snapshots_per_group = num_snapshots // groups
+        self._block_groups = [
+            BlockManager(
+                num_pages=num_kv_blocks // groups,
+                block_size=block_size,
+                num_slots=slots_per_group,
+                max_blocks=max_blocks,
+                num_snapshots=num_snapshots // groups,
+                prefix_caching=self.prefix_caching,
+                needs_state=has_mamba,
+            )
+            for _ in range(groups)
+        ]
+        self.blocks = (
+            self._block_groups[0] if groups == 1 else GroupedBlockManager(self._block_groups)
         )
         self._tables = None  # the device copy of blocks.tables, and its version
         self._tables_version = -1
@@ -262,9 +301,9 @@ class Engine:
             decode_buckets=_check_buckets(
                 "decode_buckets",
                 decode_buckets,
-                pk.sequence_buckets(max_slots),
-                covers=max_slots,
-                what="max_slots",
+                pk.sequence_buckets(slots_per_group),
+                covers=slots_per_group,
+                what="max_slots" if groups == 1 else "max_slots / dp",
             ),
             token_buckets=_check_buckets(
                 "token_buckets",
@@ -273,8 +312,9 @@ class Engine:
                 covers=token_budget,
                 what="token_budget",
             ),
-            prefill_seqs=max_slots,
+            prefill_seqs=slots_per_group,
             vocab_size=self.cfg.vocab_size,
+            groups=groups,
         )
         self._cache_dtype = model.dtype
         self._mesh = model.mesh  # a sharded model serves on its mesh, caches split alike
@@ -316,6 +356,7 @@ class Engine:
             num_blocks=self.blocks.num_pages,
             block_size=self.block_size,
             num_snapshots=self.blocks.num_snapshots,
+            groups=self.builder.groups,
         )
 
     def _step(
@@ -337,32 +378,77 @@ class Engine:
         sampled token, read by decode rows whose token is ``FROM_DEVICE``.
         ``block_tables[S, max_blocks]``: every slot's pages; ``restore_ids[R - num_decode]``:
         the snapshot each prefill row's slot starts from (-1: none) and ``snapshots`` the
-        states this step saves, both None without prefix caching."""
+        states this step saves, both None without prefix caching.
+
+        With G slot groups the step's arrays are the groups' one after another
+        (``BatchBuilder``; ``restore_ids[G · (R/G - num_decode)]``, the snapshot columns G
+        times as long), with global slot ids and group-local pages and snapshot entries:
+        the batch is grouped here (``make_grouped_forward_batch``), each group's slots made
+        local to its share of the caches, while the logits rows, the sampler and
+        ``slot_tokens`` keep global rows and slots."""
         self.compile_count += 1  # runs once per trace, i.e. per compiled program
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        num_slots = slot_tokens.shape[0]
-        decode_tokens = tokens[:num_decode]
-        fed = slot_tokens[jnp.clip(slot_ids[:num_decode], 0, num_slots - 1)]
-        tokens = tokens.at[:num_decode].set(
+        groups, num_slots = self.builder.groups, slot_tokens.shape[0]
+        group_tokens = tokens.shape[0] // groups
+        tokens = tokens.reshape(groups, group_tokens)  # each group's decode rows lead
+        decode_tokens = tokens[:, :num_decode]
+        fed = slot_tokens[jnp.clip(slot_ids.reshape(groups, -1)[:, :num_decode], 0, num_slots - 1)]
+        tokens = tokens.at[:, :num_decode].set(
             jnp.where(decode_tokens == FROM_DEVICE, fed, decode_tokens)
         )
+        tokens = tokens.reshape(-1)
+        # Group-local slot ids (the groups' shares of the caches); the same ids at G = 1.
+        local_slots = jnp.where(slot_ids >= 0, slot_ids % self.builder.slots_per_group, -1)
         if restore_ids is not None:
-            caches = restore_snapshots(caches, slot_ids[num_decode:], restore_ids)
+            caches = self._restore(caches, local_slots, restore_ids, num_decode=num_decode)
         # Padding rows read slot 0's table; nothing reads or writes for them.
         block_table = block_tables[jnp.clip(slot_ids, 0, block_tables.shape[0] - 1)]
-        batch = make_forward_batch(
-            query_start_loc,
-            num_computed,
-            slot_ids,
-            num_tokens=tokens.shape[0],
-            chunk_size=self.cfg.mamba_chunk_size,
-            num_decode=num_decode,
-            block_table=block_table,
-            snapshots=snapshots,
+        options = dict(
+            num_tokens=group_tokens, chunk_size=self.cfg.mamba_chunk_size, num_decode=num_decode
         )
-        # Each sequence's last token (padding sequences read an arbitrary row).
-        last_rows = jnp.maximum(query_start_loc[1:] - 1, 0)
+        if groups == 1:
+            batch = make_forward_batch(
+                query_start_loc,
+                num_computed,
+                slot_ids,
+                block_table=block_table,
+                snapshots=snapshots,
+                **options,
+            )
+        else:
+            batch = make_grouped_forward_batch(
+                query_start_loc.reshape(groups, -1),
+                num_computed.reshape(groups, -1),
+                local_slots.reshape(groups, -1),
+                block_table=block_table.reshape(groups, -1, block_table.shape[-1]),
+                snapshots=jax.tree.map(lambda x: x.reshape(groups, -1), snapshots),
+                **options,
+            )
+        # Each sequence's last token, as a global row (padding sequences read an arbitrary
+        # row).
+        starts = query_start_loc.reshape(groups, -1)
+        offsets = group_tokens * jnp.arange(groups, dtype=starts.dtype)[:, None]
+        last_rows = (jnp.maximum(starts[:, 1:] - 1, 0) + offsets).reshape(-1)
         return model.forward(tokens, batch, caches, logits_rows=last_rows)
+
+    def _restore(self, caches, slot_ids, restore_ids, *, num_decode):
+        """``caches`` with each prefill row's snapshot ``restore_ids[G · (R/G - num_decode)]``
+        (group-local entries, -1: none) copied into its slot (``slot_ids[R]``, group-local).
+        With G slot groups each group's devices copy within their own share of the caches,
+        under ``shard_map``: indexing the dp-split pools with global ids would leave XLA to
+        gather them across groups."""
+        groups = self.builder.groups
+        prefill_slots = slot_ids.reshape(groups, -1)[:, num_decode:]
+        if groups == 1:
+            return restore_snapshots(caches, prefill_slots[0], restore_ids)
+        specs = cache_specs(self.cfg, snapshots=self.blocks.num_snapshots > 0, groups=groups)
+        return jax.shard_map(
+            lambda caches, slots, ids: restore_snapshots(caches, slots[0], ids[0]),
+            mesh=self._mesh,
+            in_specs=(specs, P(DP), P(DP)),
+            out_specs=specs,
+            check_vma=False,
+        )(caches, prefill_slots, restore_ids.reshape(groups, -1))
 
     def _sample(
         self,
@@ -408,18 +494,19 @@ class Engine:
         """Launches one built step and its sampling: ``(logits[R, V], tokens[R])``, on the
         device and not waited for (``R`` sequence rows, padding included). ``sampling``:
         the rows' settings from ``sampling_arrays`` (None: greedy). Every live row's slot
-        gets the pages its keys need first. With prefix caching: ``restore_ids[R -
-        num_decode]`` and ``snapshots`` (``_snapshot_plan``), none by default."""
+        gets the pages its keys need first. With prefix caching: ``restore_ids[R - G ·
+        num_decode]`` (each group's prefill rows, group-local entries) and ``snapshots``
+        (``_snapshot_plan``), none by default."""
         rows = arrays.slot_ids.shape[0]
         if sampling is None:
             sampling = sampling_arrays([None] * rows, [0] * rows)
-        kv_lens = arrays.num_computed_tokens + np.diff(arrays.query_start_loc)
+        kv_lens = arrays.num_computed_tokens + arrays.query_lens
         for slot, kv_len in zip(arrays.slot_ids.tolist(), kv_lens.tolist(), strict=True):
             if slot >= 0:
                 self.blocks.ensure(slot, kv_len)
         if self.prefix_caching:
             if restore_ids is None:
-                restore_ids = np.full(rows - arrays.num_decode, -1, np.int32)
+                restore_ids = np.full(rows - arrays.groups * arrays.num_decode, -1, np.int32)
             if snapshots is None:
                 snapshots = self._snapshot_plan(arrays, [], [])[0]
         draws, restricts = sampler_flags(sampling, self.cfg.vocab_size)
@@ -501,49 +588,56 @@ class Engine:
         """Which block ends of this step save their Mamba states, into which snapshot
         entries: ``(StateSnapshots, {sequence index: {block: entry}})``. A block end is
         saved when prefix caching wants it (``BlockManager.wants_snapshot``) and an entry
-        is free or evictable."""
-        bs, num_decode = self.block_size, arrays.num_decode
-        decode_capacity, capacity = self._snapshot_capacity(
-            num_decode, arrays.tokens.shape[0] - num_decode
-        )
-        decode_saves: list[tuple[int, int]] = []  # (decode row, entry)
-        saves: list[tuple[int, int, int]] = []  # (prefill sequence, position, entry)
+        is free or evictable. With G slot groups each group saves into its own pool, up
+        to the bucket's capacity each: the columns are the groups' one after another,
+        with rows and entries local to the group (``taken`` holds global entries)."""
+        bs, num_decode, groups = self.block_size, arrays.num_decode, arrays.groups
+        group_rows = arrays.slot_ids.shape[0] // groups
+        decode_capacity, capacity = self._snapshot_capacity(*arrays.bucket)
+        # Per group: (decode row, entry) and (prefill sequence, position, entry).
+        decode_saves: list[list[tuple[int, int]]] = [[] for _ in range(groups)]
+        saves: list[list[tuple[int, int, int]]] = [[] for _ in range(groups)]
         taken: dict[int, dict[int, int]] = {}
-        fed = [(s, 1, row, None) for row, s in enumerate(decode)]
-        fed += [(s, n, None, j) for j, (s, n) in enumerate(prefill)]
-        for seq, count, decode_row, prefill_row in fed:
+        fed = [(s, 1) for s in decode] + list(prefill)
+        for (seq, count), row in zip(fed, arrays.rows if fed else [], strict=True):
             start = seq.num_computed
             ends = range((start // bs + 1) * bs, start + count + 1, bs)
             if not ends or not self.blocks.num_snapshots:
                 continue
+            group, local_row = divmod(int(row), group_rows)
+            blocks = self._block_groups[group]
             tokens = seq.tokens()
             block_keys(tokens, bs, (start + count) // bs, seq.keys)
             for end in ends:
                 block = end // bs - 1
                 full = (
-                    len(saves) == capacity
-                    if decode_row is None
-                    else (len(decode_saves) == decode_capacity)
+                    len(saves[group]) == capacity
+                    if local_row >= num_decode
+                    else (len(decode_saves[group]) == decode_capacity)
                 )
                 if full:
                     break
-                if not self.blocks.wants_snapshot(seq.keys, block):
+                if not blocks.wants_snapshot(seq.keys, block):
                     continue
-                entry = self.blocks.take_snapshot()
+                entry = blocks.take_snapshot()
                 if entry is None:
                     break
-                taken.setdefault(seq.index, {})[block] = entry
-                if decode_row is not None:
-                    decode_saves.append((decode_row, entry))
+                taken.setdefault(seq.index, {})[block] = group * self._snapshots_per_group + entry
+                if local_row < num_decode:
+                    decode_saves[group].append((local_row, entry))
                 else:
-                    saves.append((prefill_row, end, entry))
-        decode_columns = np.full((2, decode_capacity), -1, np.int32)  # padding saves nothing
-        if decode_saves:
-            decode_columns[:, : len(decode_saves)] = np.asarray(decode_saves, np.int32).T
-        columns = np.full((3, capacity), -1, np.int32)
-        if saves:
-            columns[:, : len(saves)] = np.asarray(saves, np.int32).T
-        return StateSnapshots(*decode_columns, *columns), taken
+                    saves[group].append((local_row - num_decode, end, entry))
+        # Padding saves nothing.
+        decode_columns = np.full((2, groups, decode_capacity), -1, np.int32)
+        columns = np.full((3, groups, capacity), -1, np.int32)
+        for group in range(groups):
+            if decode_saves[group]:
+                chosen = np.asarray(decode_saves[group], np.int32).T
+                decode_columns[:, group, : chosen.shape[1]] = chosen
+            if saves[group]:
+                chosen = np.asarray(saves[group], np.int32).T
+                columns[:, group, : chosen.shape[1]] = chosen
+        return StateSnapshots(*decode_columns.reshape(2, -1), *columns.reshape(3, -1)), taken
 
     def _recover_caches(self) -> None:
         """After a step that raised: the caches were donated to it, and if it consumed them
@@ -743,11 +837,13 @@ class Engine:
                     f"exceed max_len={self.builder.max_len}"
                 )
             pages = -(-(len(prompt) + p.max_new_tokens - 1) // self.block_size)
-            if pages > self.blocks.num_pages:
+            pool = self._block_groups[0].num_pages  # a sequence's pages are its group's
+            if pages > pool:
+                where = "" if self.builder.groups == 1 else f" / dp={self.builder.groups}"
                 raise ValueError(
                     f"prompt {i}: {len(prompt)} tokens + {p.max_new_tokens} new need {pages} "
                     f"KV pages of {self.block_size} tokens; num_kv_blocks="
-                    f"{self.blocks.num_pages}"
+                    f"{self.blocks.num_pages}{where}"
                 )
         sequences = [
             _Sequence(i, prompt, p, eos | frozenset(p.stop_token_ids))
@@ -853,13 +949,18 @@ class Engine:
             and any(s.in_flight and (s.num_computed + 1) % bs == 0 for s in decode)
         ):
             return None  # a state save at a block end needs the block's tokens
-        budget = max(self.token_budget - len(decode), 0) if decode else self.token_budget
+        # Each slot group's budget: its decode rows count against it.
+        budgets = [self.token_budget] * self.builder.groups
+        for seq in decode:
+            budgets[self._group(seq.slot)] -= 1
+        budgets = [max(b, 0) for b in budgets]
         prefill: list[tuple[_Sequence, int]] = []
         for seq in live:
-            if not seq.prompt_done and budget:
-                count = min(len(seq.prompt) - seq.num_computed, budget)
+            group = self._group(seq.slot)
+            if not seq.prompt_done and budgets[group]:
+                count = min(len(seq.prompt) - seq.num_computed, budgets[group])
                 prefill.append((seq, count))
-                budget -= count
+                budgets[group] -= count
         if not decode and not prefill:
             return None
         arrays = self.builder.build(
@@ -877,10 +978,14 @@ class Engine:
         restore_ids, snapshots, taken = None, None, {}
         if self.prefix_caching:
             snapshots, taken = self._snapshot_plan(arrays, decode, prefill)
-            restore_ids = np.full(len(arrays.slot_ids) - arrays.num_decode, -1, np.int32)
+            group_rows = len(arrays.slot_ids) // arrays.groups
+            restore_ids = np.full((arrays.groups, group_rows - arrays.num_decode), -1, np.int32)
             for seq, row in zip([s for s, _ in fed], rows, strict=True):
                 if seq.restore is not None:  # a prefill row, its first computed step
-                    restore_ids[row - arrays.num_decode] = seq.restore
+                    group, local_row = divmod(int(row), group_rows)
+                    local_entry = seq.restore - group * self._snapshots_per_group
+                    restore_ids[group, local_row - arrays.num_decode] = local_entry
+            restore_ids = restore_ids.reshape(-1)
         # Each row samples with its request's settings and key; rows whose token is not
         # used (a prompt not done after this step, padding) take the argmax.
         row_params: list[SamplingParams | None] = [None] * arrays.slot_ids.shape[0]
@@ -986,23 +1091,50 @@ class Engine:
         for seq in waiting:
             usable = (len(seq.prompt) - 1) // bs  # seq.keys may hold more (a failed admit)
             keys = block_keys(seq.prompt, bs, usable, seq.keys)[:usable]
-            hit, _ = self.blocks.lookup(seq.prompt, keys)
+            hit = max(blocks.lookup(seq.prompt, keys)[0] for blocks in self._block_groups)
             if hit == len(keys) or keys[hit] not in in_flight:
                 return seq
         return None
 
+    def _group(self, slot: int) -> int:
+        """The slot group of ``slot`` (0 without dp groups)."""
+        return slot // self.builder.slots_per_group
+
+    def _slot_choices(self, seq: _Sequence) -> list[int]:
+        """A free slot of each slot group that has one, in the order admission tries them
+        for ``seq``: the group with the longest prefix hit first (prefix caching), then the
+        most free slots, then the most free pages."""
+        first: dict[int, int] = {}  # group -> its free slot allocate_slot would give first
+        free = [0] * self.builder.groups
+        for slot in reversed(self._free_slots):
+            group = self._group(slot)
+            first.setdefault(group, slot)
+            free[group] += 1
+        if len(first) == 1:
+            return list(first.values())
+
+        def preference(group: int) -> tuple[int, ...]:
+            blocks = self._block_groups[group]
+            hit = blocks.lookup(seq.prompt, seq.keys)[0] if self.prefix_caching else 0
+            return -hit, -free[group], -blocks.num_free_pages, group
+
+        return [first[g] for g in sorted(first, key=preference)]
+
     def _admit(self, seq: _Sequence) -> bool:
         """Gives ``seq`` a slot, its cached prefix (prefix caching) and its page
-        reservation; False (nothing changed) when the pool cannot hold them yet."""
-        slot = self._free_slots[-1]
+        reservation; False (nothing changed) when no slot group's pool can hold them yet."""
         if self.prefix_caching:  # every full prompt block's key: in flight once admitted
             block_keys(seq.prompt, self.block_size, len(seq.prompt) // self.block_size, seq.keys)
-        hit = self.blocks.admit(
-            slot, seq.prompt, seq.keys, len(seq.prompt) + seq.params.max_new_tokens - 1
-        )
-        if hit is None:
+        for slot in self._slot_choices(seq):
+            hit = self.blocks.admit(
+                slot, seq.prompt, seq.keys, len(seq.prompt) + seq.params.max_new_tokens - 1
+            )
+            if hit is not None:
+                break
+        else:
             return False
-        seq.slot = self.allocate_slot()
+        self._free_slots.remove(slot)
+        seq.slot = slot
         seq.num_computed, seq.restore = hit.tokens, hit.snapshot
         if self.prefix_caching:
             self.stats["prefix_hit_tokens"] += hit.tokens

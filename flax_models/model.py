@@ -29,7 +29,7 @@ from flax_models.config import HybridConfig
 from flax_models.layers import MLP, Attention, Mamba2Mixer, ParallelHybridMixer, RMSNorm
 from flax_models.layers.linear import linear_kwargs
 from flax_models.layers.moe import MoE
-from flax_models.sharding import check_tp, state_shardings, tp_layout, tp_size
+from flax_models.sharding import check_tp, state_shardings, tp_layout, tp_size, with_tp_axis
 from pallas_kernels.backend import BACKEND_NAMES, IMPLEMENTATIONS
 
 # A model-level implementation names a backend family: "the best it has for each op". Mosaic
@@ -93,14 +93,19 @@ class Block(nnx.Module):
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: LayerCache
     ) -> tuple[jax.Array, LayerCache]:
-        if self.kind in "-E":  # MLP and MoE blocks carry no state
+        if self.kind == "-":  # MLP and MoE blocks carry no state
             out = self.mixer(self.norm(h))
+        elif self.kind == "E":  # a grouped batch's tokens stay split over dp
+            out = self.mixer(self.norm(h), groups=batch.groups)
         else:
             out, cache = self.mixer(self.norm(h), batch, cache)
         h = h + out * self.residual_multiplier
         if self.mlp is not None:
             x = self.mlp_norm(h)
-            out = self.mlp(x) if self.moe is None else self.mlp(x) + self.moe(x)
+            if self.moe is None:
+                out = self.mlp(x)
+            else:
+                out = self.mlp(x) + self.moe(x, groups=batch.groups)
             h = h + out * self.residual_multiplier
         return h, cache
 
@@ -123,6 +128,9 @@ class HybridLM(nnx.Module):
         straight into their shards over it (Mamba2 heads, attention heads, MLP and expert
         widths; ``flax_models.sharding``) and the forward runs tensor-parallel with the
         single-device results. ``ValueError`` naming the field that tp does not divide.
+        An axis ``"dp"`` (with or without ``"tp"``) replicates the parameters over it; the
+        ``Engine`` splits its sequence slots over it, a plain forward runs replicated. A
+        dp-only mesh is kept as ``self.mesh`` with a ``"tp"`` axis of size 1 appended.
     """
 
     def __init__(
@@ -138,6 +146,7 @@ class HybridLM(nnx.Module):
     ):
         if not (remat is None or remat == "block" or callable(remat)):
             raise ValueError(f"{remat=} must be None, 'block' or a jax.checkpoint_policies policy")
+        mesh = with_tp_axis(mesh)
         if mesh is not None and not _unplaced:
             # Built inside one jitted program whose outputs are the parameters' shards:
             # no device ever holds the whole model.

@@ -25,6 +25,20 @@ the model's init and ``load_hf_checkpoint`` both go through it, so a sharded mod
 single-device model's values. The Pallas ops cannot be partitioned by XLA: each mixer runs
 its body under ``jax.shard_map`` on per-device shapes (a copy of the module with the local
 config, ``local_config``); the plain matmuls of the MLPs are left to XLA's partitioner.
+
+Data parallelism over a mesh axis named ``"dp"`` (with or without ``"tp"``): the parameters
+are replicated over dp (each dp group holds the whole model, split over its tp devices) and
+the ``Engine``'s sequence slots are split into dp equal groups, each with its own share of
+the KV page pool and of the Mamba snapshot pool. Every cache array gets ``"dp"`` on its
+leading axis (slots, pages or snapshot entries; ``split_groups``), so a group's devices hold
+only its slots. A step stays one program over the whole mesh (one per bucket, whatever dp):
+its arrays are laid out group-major, every group padded to the same buckets, and its
+``ForwardBatch`` is *grouped* (``groups = dp``, a leading group axis on every array, with
+group-local slot, page and snapshot ids). ``shard_call`` then splits the tokens, the batch
+and the caches over dp, so inside the ``shard_map`` each device sees exactly its group's
+batch and caches and the kernels run unchanged; the embedding, MLPs, norms and head
+partition the dp-split tokens through XLA. A plain forward (``model(ids)``) runs replicated
+over dp.
 """
 
 from __future__ import annotations
@@ -38,22 +52,52 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from flax_models.batch import ForwardBatch
 from flax_models.cache import AttentionCache, LayerCache, MambaCache, ParallelCache
 from flax_models.config import HybridConfig
 from flax_models.lazy_tensors import LazyTensor
 
 TP = "tp"  # the mesh axis the heads are split over
+DP = "dp"  # the mesh axis the engine's sequence slots are split over
+
+
+def _check_mesh(mesh: Mesh) -> None:
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if TP not in mesh.axis_names and DP not in mesh.axis_names:
+        raise ValueError(
+            f"the mesh needs an axis named {TP!r} (tensor parallel) or {DP!r} (data parallel), "
+            f"or both; it has {mesh.axis_names}"
+        )
 
 
 def tp_size(mesh: Mesh | None) -> int:
-    """Devices along ``"tp"`` (1 without a mesh); ValueError when the mesh has no such axis."""
+    """Devices along ``"tp"`` (1 without a mesh or such an axis); ValueError when the mesh
+    has neither ``"tp"`` nor ``"dp"``."""
     if mesh is None:
         return 1
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if TP not in mesh.axis_names:
-        raise ValueError(f"the mesh needs an axis named {TP!r}; it has {mesh.axis_names}")
-    return mesh.shape[TP]
+    _check_mesh(mesh)
+    return mesh.shape.get(TP, 1)
+
+
+def dp_size(mesh: Mesh | None) -> int:
+    """Devices along ``"dp"``, i.e. the engine's slot groups (1 without a mesh or such an
+    axis); ValueError when the mesh has neither ``"tp"`` nor ``"dp"``."""
+    if mesh is None:
+        return 1
+    _check_mesh(mesh)
+    return mesh.shape.get(DP, 1)
+
+
+def with_tp_axis(mesh: Mesh | None) -> Mesh | None:
+    """``mesh`` with a ``"tp"`` axis of size 1 appended when it has none (a ``"dp"``-only
+    mesh), so that every spec naming ``"tp"`` is valid on it; other meshes unchanged."""
+    if mesh is None:
+        return None
+    _check_mesh(mesh)
+    if TP in mesh.axis_names:
+        return mesh
+    return Mesh(mesh.devices[..., None], (*mesh.axis_names, TP))
 
 
 def _local_copies(total: int, tp: int) -> int:
@@ -215,16 +259,34 @@ def mamba_cache_spec(cache: MambaCache) -> MambaCache:
     return MAMBA_SNAPSHOT_CACHE_SPEC if cache.has_snapshots else MAMBA_CACHE_SPEC
 
 
-def cache_specs(cfg: HybridConfig, *, snapshots: bool = False) -> tuple[LayerCache, ...]:
+def split_groups(specs):
+    """``specs`` (a ``PartitionSpec`` or a tree of them) with their leading axis split over
+    ``"dp"``: ``P()`` → ``P("dp")``, ``P(None, None, "tp")`` → ``P("dp", None, "tp")``. The
+    leading axis of what they describe must be unsplit (tokens, sequences, slots, pages,
+    snapshot entries, or a grouped batch's group axis)."""
+
+    def split(spec: P) -> P:
+        if spec and spec[0] is not None:
+            raise ValueError(f"{spec} already splits its leading axis")
+        return P(DP, *spec[1:])
+
+    return jax.tree.map(split, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_specs(
+    cfg: HybridConfig, *, snapshots: bool = False, groups: int = 1
+) -> tuple[LayerCache, ...]:
     """The ``PartitionSpec`` of every cache array, in ``init_cache``'s tree (``snapshots``:
-    the Mamba2 layers carry snapshot pools)."""
+    the Mamba2 layers carry snapshot pools; ``groups > 1``: the leading axis, slots, pages
+    or snapshot entries, is split over ``"dp"``)."""
     mamba = MAMBA_SNAPSHOT_CACHE_SPEC if snapshots else MAMBA_CACHE_SPEC
     specs = {
         "M": mamba,
         "*": ATTENTION_CACHE_SPEC,
         "P": ParallelCache(mamba=mamba, attention=ATTENTION_CACHE_SPEC),
     }
-    return tuple(specs.get(kind) for kind in cfg.layer_pattern)
+    specs = tuple(specs.get(kind) for kind in cfg.layer_pattern)
+    return split_groups(specs) if groups > 1 else specs
 
 
 def state_shardings(state, mesh: Mesh):
@@ -248,12 +310,24 @@ def _local_graphdef(cls, cfg: HybridConfig, dtype, implementation):
     return nnx.graphdef(abstract)
 
 
-def shard_call(module, body, args, in_specs, out_specs):
+def shard_call(module, body, args, in_specs, out_specs, *, groups: int | None = None):
     """Runs ``body(local_module, *args)`` under ``jax.shard_map`` over ``module.mesh``:
     ``local_module`` is a copy of ``module`` with the local config (``local_config``) and
     this device's shards of its parameters (split as ``param_spec`` says); ``args`` are
-    split as ``in_specs`` says and the outputs assembled as ``out_specs`` says."""
+    split as ``in_specs`` says and the outputs assembled as ``out_specs`` says.
+
+    ``groups > 1`` (by default the ``groups`` of a ``ForwardBatch`` among ``args``, else 1):
+    the engine's data-parallel step. Every spec then also splits its leading axis over
+    ``"dp"`` (``split_groups``): the packed tokens ``[groups · T, ...]`` (group-major), the
+    caches' slots, pages and snapshot entries, and the grouped batch's group axis, which
+    ``body`` does not see: it gets its group's own ``ForwardBatch`` (``groups = 1``)."""
     mesh = module.mesh
+    if groups is None:
+        groups = max((a.groups for a in args if isinstance(a, ForwardBatch)), default=1)
+    if groups > 1:
+        if groups != dp_size(mesh):
+            raise ValueError(f"a batch of {groups=} needs a mesh with dp={groups}")
+        in_specs, out_specs = split_groups(tuple(in_specs)), split_groups(out_specs)
     tp = tp_size(mesh)
     flat = list(nnx.to_flat_state(nnx.state(module)))
     paths = [tuple(map(str, path)) for path, _ in flat]
@@ -267,6 +341,7 @@ def shard_call(module, body, args, in_specs, out_specs):
         state = nnx.from_flat_state(
             [(path, var.replace(v)) for (path, var), v in zip(flat, values, strict=True)]
         )
+        args = [a.group(0) if isinstance(a, ForwardBatch) and a.groups > 1 else a for a in args]
         return body(nnx.merge(graphdef, state), *args)
 
     return jax.shard_map(

@@ -169,7 +169,9 @@ class MoE(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # x[T, K] → [T, K]
+    def __call__(self, x: jax.Array, *, groups: int = 1) -> jax.Array:  # x[T, K] → [T, K]
+        """``groups > 1``: x holds a grouped batch's tokens (``ForwardBatch.groups``), whose
+        rows stay split over ``"dp"`` (each group routes its own tokens)."""
         if self.mesh is None:
             out = self._routed(x)
         else:  # expert widths split over tp: every device routes, sums its partial outputs
@@ -179,6 +181,7 @@ class MoE(nnx.Module):
                 (x,),
                 (P(),),
                 P(),
+                groups=groups,
             )
         if self.shared_expert is not None:  # an MLP: column/row parallel through XLA
             out = out + self.shared_expert(x)

@@ -37,6 +37,11 @@ back is outstanding, and ``clear_cache`` leaves it out of the free list.
 Admission reserves every page a sequence can need (prompt + new tokens − 1 keys), so a
 running sequence never waits for a page: the engine admits a request only when the pool
 (free and evictable pages, less those promised) holds its reservation.
+
+An engine whose slots are split into dp groups (a ``"dp"`` mesh axis) has one
+``BlockManager`` per group behind a ``GroupedBlockManager``: each group's pages, snapshots
+and published blocks are its own (they live on its devices), so a prefix hits only in the
+group that computed it.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BlockManager", "PrefixHit", "block_keys"]
+__all__ = ["BlockManager", "GroupedBlockManager", "PrefixHit", "block_keys"]
 
 
 def block_keys(
@@ -374,3 +379,133 @@ class BlockManager:
                 self._snapshot_block[snapshot] = key
             else:
                 self.give_back_snapshots([snapshot])
+
+
+class GroupedBlockManager:
+    """The pages of an engine whose slots are split into groups (a ``"dp"`` mesh axis), one
+    ``BlockManager`` per group: group g owns the slots ``[g·S/G, (g+1)·S/G)``, its own
+    pages (``num_pages / G``, numbered from 0 in the group: they index its share of the
+    pool, which its devices hold), its own snapshot entries and its own prefix cache (a
+    prefix computed in one group hits only there). Slot and snapshot ids here are global
+    (group g's entries are ``[g·Q/G, (g+1)·Q/G)``); page ids in ``tables`` are the groups'.
+
+    Attributes:
+      groups: the per-group managers (local ids: ``slot - g·S/G``, ``entry - g·Q/G``).
+      tables: int32[S, max_blocks], every slot's pages (group-local ids; -1: none), and
+        ``version``, which moves when any group's table does.
+    """
+
+    def __init__(self, groups: Sequence[BlockManager]):
+        self.groups = list(groups)
+        self.slots_per_group = self.groups[0].tables.shape[0]
+        self.snapshots_per_group = self.groups[0].num_snapshots
+        self.block_size = self.groups[0].block_size
+        self.num_pages = sum(m.num_pages for m in self.groups)
+        self.num_snapshots = sum(m.num_snapshots for m in self.groups)
+
+    def _of(self, slot: int) -> tuple[BlockManager, int]:
+        """The manager of ``slot``'s group and its slot id there."""
+        group, local = divmod(slot, self.slots_per_group)
+        return self.groups[group], local
+
+    def global_snapshot(self, group: int, entry: int | None) -> int | None:
+        """Group ``group``'s snapshot ``entry`` as a global id."""
+        return None if entry is None else group * self.snapshots_per_group + entry
+
+    def _local_snapshots(self, snapshots: Sequence[int]) -> dict[int, list[int]]:
+        """Global snapshot ids by group, as the groups' own ids."""
+        by_group: dict[int, list[int]] = {}
+        for snapshot in snapshots:
+            group, entry = divmod(snapshot, self.snapshots_per_group)
+            by_group.setdefault(group, []).append(entry)
+        return by_group
+
+    @property
+    def tables(self) -> np.ndarray:
+        return np.concatenate([m.tables for m in self.groups])
+
+    @property
+    def version(self) -> int:
+        return sum(m.version for m in self.groups)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.groups[0].prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, enabled: bool) -> None:
+        for m in self.groups:
+            m.prefix_caching = enabled
+
+    @property
+    def num_free_pages(self) -> int:
+        return sum(m.num_free_pages for m in self.groups)
+
+    @property
+    def num_free_snapshots(self) -> int:
+        return sum(m.num_free_snapshots for m in self.groups)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(m.num_cached_blocks for m in self.groups)
+
+    @property
+    def evicted_pages(self) -> int:
+        return sum(m.evicted_pages for m in self.groups)
+
+    @property
+    def evicted_snapshots(self) -> int:
+        return sum(m.evicted_snapshots for m in self.groups)
+
+    def reset(self) -> None:
+        for m in self.groups:
+            m.reset()
+
+    def clear_cache(self) -> None:
+        for m in self.groups:
+            m.clear_cache()
+
+    def slot_pages(self, slot: int) -> list[int]:
+        manager, local = self._of(slot)
+        return manager.slot_pages(local)
+
+    def admit(
+        self, slot: int, tokens: Sequence[int], keys: list[int], max_tokens: int
+    ) -> PrefixHit | None:
+        """``BlockManager.admit`` in ``slot``'s group (its prefix cache, its pages)."""
+        manager, local = self._of(slot)
+        hit = manager.admit(local, tokens, keys, max_tokens)
+        if hit is None:
+            return None
+        group = slot // self.slots_per_group
+        return PrefixHit(hit.tokens, self.global_snapshot(group, hit.snapshot))
+
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        manager, local = self._of(slot)
+        manager.ensure(local, num_tokens)
+
+    def restored(self, slot: int) -> None:
+        manager, local = self._of(slot)
+        manager.restored(local)
+
+    def release(self, slot: int) -> None:
+        manager, local = self._of(slot)
+        manager.release(local)
+
+    def give_back_snapshots(self, snapshots: Sequence[int]) -> None:
+        for group, entries in self._local_snapshots(snapshots).items():
+            self.groups[group].give_back_snapshots(entries)
+
+    def publish(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        keys: list[int],
+        blocks: range,
+        snapshots: dict[int, int],
+    ) -> None:
+        """``BlockManager.publish`` in ``slot``'s group; ``snapshots`` are global ids of
+        entries taken from that group."""
+        manager, local = self._of(slot)
+        local_snapshots = {b: e % self.snapshots_per_group for b, e in snapshots.items()}
+        manager.publish(local, tokens, keys, blocks, local_snapshots)

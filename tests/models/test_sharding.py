@@ -1,5 +1,5 @@
-"""Tensor parallelism (``flax_models.sharding``): sharded logits and generations equal the
-single-device ones.
+"""Tensor and data parallelism (``flax_models.sharding``): sharded logits and generations
+equal the single-device ones.
 
 The checks that need several devices run in one subprocess with 4 CPU devices
 (``--xla_force_host_platform_device_count`` must be set before JAX starts), one program per
@@ -8,6 +8,7 @@ fixture and tp; the layout helpers are tested here directly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,8 +20,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_models import HybridConfig, HybridLM
-from flax_models.sharding import check_tp, local_config, param_spec, tp_layout
+from flax_models import HybridConfig, HybridLM, load_hf_checkpoint
+from flax_models.batching import BatchBuilder, Request
+from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager, block_keys
+from flax_models.sharding import (
+    cache_specs,
+    check_tp,
+    dp_size,
+    local_config,
+    param_spec,
+    split_groups,
+    tp_layout,
+    tp_size,
+    with_tp_axis,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +72,8 @@ forward = nnx.jit(lambda model, ids: model(ids))  # one program, not op by op
 for name, tps in cases.items():
     path = f"tests/fixtures/{name}"
     want = forward(load_hf_checkpoint(path, implementation="xla"), ids)
+    if name == "bamba":
+        bamba_logits = want
     for tp in tps:
         model = load_hf_checkpoint(path, implementation="xla", mesh=mesh[tp])
         out["logits"][f"{name}@{tp}"] = rel(want, model(ids))
@@ -123,6 +138,45 @@ out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit
 lap("engine")
 out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 
+# Data parallelism: the engine's slots in dp = 2 groups of 2 (a mesh dp x tp) on the prompts
+# above twice (more than a group's slots: both groups, slot reuse): the single device's
+# tokens; the caches split over dp; as many programs as a tp-only engine of the same buckets
+# (one per bucket, whatever dp). dp x tp = 2 x 1 also runs prefix caching (each group its
+# own cache: the second [7] * 20 hits). The plain forward runs replicated over dp.
+from jax.sharding import Mesh
+from tests.models.test_engine import program_count
+dp_options = dict(options, max_slots=4, decode_buckets=(2,), token_buckets=(16,))
+out["dp"] = {}
+for dp, tp in ((2, 2), (2, 1)):
+    dp_mesh = Mesh(np.array(devices[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+    dp_model = load_hf_checkpoint("tests/fixtures/bamba", implementation="xla", mesh=dp_mesh)
+    if tp == 2:
+        out["logits"]["bamba@dp2xtp2"] = rel(bamba_logits, dp_model(ids))
+    caching = tp == 1
+    engine = Engine(dp_model, **dp_options, prefix_caching=caching)
+    warm = engine.warmup() if caching else None
+    out["dp"][f"{dp}x{tp}"] = dict(
+        tokens=engine.generate(prompts * 2, 6),
+        hits=engine.stats["prefix_hit_tokens"],
+        warm=warm,
+        compiled=engine.compile_count,
+        programs=program_count(engine),
+        specs=[
+            [str(a) for a in leaf.sharding.spec]
+            for leaf in jax.tree.leaves(engine.caches[:2])  # Mamba2 (snapshots), attention
+        ],
+    )
+    lap(f"engine dp={dp} tp={tp}")
+# The tp-only engine of the same buckets (2 slots): as many programs.
+out["dp"]["tp_programs"] = program_count(Engine(sharded, **dict(dp_options, max_slots=2)))
+out["dp"]["errors"] = {}
+for name, value in (("max_slots", 3), ("num_kv_blocks", 5)):
+    try:
+        Engine(dp_model, **dict(dp_options, **{name: value}))
+        out["dp"]["errors"][name] = None
+    except ValueError as e:
+        out["dp"]["errors"][name] = str(e)
+
 # Configs tp cannot split raise ValueError naming the field.
 bad = {
     "mamba_num_heads": HybridConfig.tiny(mamba_num_heads=6, mamba_groups=1),
@@ -162,7 +216,8 @@ def results():
 
 
 def test_sharded_logits_equal_single_device(results):
-    expected = {f"{n}@{tp}" for n, tps in _LOGIT_CASES.items() for tp in tps} | {"tiny_init@2"}
+    expected = {f"{n}@{tp}" for n, tps in _LOGIT_CASES.items() for tp in tps}
+    expected |= {"tiny_init@2", "bamba@dp2xtp2"}
     assert set(results["logits"]) == expected
     for case, error in results["logits"].items():
         assert error <= 1e-5, f"{case}: relative error {error}"
@@ -209,6 +264,25 @@ def test_engine_prefix_caching_on_a_mesh(results):
     assert hit_tokens > 0
 
 
+def test_engine_on_dp_slot_groups_generates_the_single_device_tokens(results):
+    dp, want = results["dp"], results["generate"][0] * 2
+    assert dp["2x2"]["tokens"] == want
+    assert dp["2x1"]["tokens"] == want
+    assert dp["2x1"]["hits"] > 0  # its group's own prefix cache
+    # Slots, pages and snapshot entries split over dp, heads over tp as before.
+    mamba_conv, mamba_ssm, attention_k, attention_v = dp["2x2"]["specs"]
+    assert mamba_conv == ["dp", "None", "tp"] and mamba_ssm == ["dp", "tp"]
+    assert attention_k == attention_v == ["dp", "None", "tp"]
+    assert len(dp["2x1"]["specs"]) == 6  # with the snapshot pools
+    assert all(spec[0] == "dp" for spec in dp["2x1"]["specs"])
+    # One program per bucket, as on tp alone; generating after warmup compiles nothing.
+    assert dp["2x1"]["warm"] == dp["2x1"]["compiled"] == dp["2x1"]["programs"]
+    assert dp["2x1"]["programs"] == dp["tp_programs"]
+    assert dp["2x2"]["compiled"] <= dp["2x2"]["programs"] == dp["tp_programs"]
+    for name, message in dp["errors"].items():
+        assert message is not None and name in message and "dp=2" in message, (name, message)
+
+
 def test_configs_tp_cannot_split_name_the_field(results):
     for field, message in results["errors"].items():
         assert message is not None and field in message, (field, message)
@@ -240,6 +314,83 @@ def test_param_specs_and_checks():
     with pytest.raises(ValueError, match="'tp'"):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
         HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0), mesh=mesh)
+
+
+def test_dp_meshes_and_specs():
+    assert split_groups(jax.P()) == jax.P("dp")
+    assert split_groups(jax.P(None, None, "tp")) == jax.P("dp", None, "tp")
+    with pytest.raises(ValueError, match="leading axis"):
+        split_groups(jax.P("tp"))
+    specs = cache_specs(HybridConfig.tiny(), snapshots=True, groups=2)
+    assert specs[0].snapshot_ssm == jax.P("dp", "tp") and specs[2].k == jax.P("dp", None, "tp")
+    dp_only = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    assert (tp_size(dp_only), dp_size(dp_only)) == (1, 1)
+    assert with_tp_axis(dp_only).axis_names == ("dp", "tp")
+    # The loader accepts it as the model does (the specs name "tp": one of size 1).
+    loaded = load_hf_checkpoint(ROOT / "tests/fixtures/bamba", mesh=dp_only)
+    assert loaded.mesh.axis_names == ("dp", "tp")
+
+
+def test_grouped_step_layout():
+    """Two slot groups of 2: each group's requests in its own rows, both groups padded to
+    the buckets of the group that needs the largest; rows in request order."""
+    builder = BatchBuilder(
+        num_slots=4,
+        max_len=64,
+        decode_buckets=(1, 2),
+        token_buckets=(4, 8),
+        prefill_seqs=2,
+        groups=2,
+    )
+    decode = [Request(3, [5], 7), Request(2, [6], 3), Request(0, [7], 1)]
+    prefill = [Request(1, [1, 2, 3, 4, 5], 0)]
+    step = builder.build(decode, prefill)
+    assert step.bucket == (2, 8) and step.groups == 2
+    # group 0: decode slot 0 + pad | prefill slot 1 + pad; group 1: decode 3, 2 | padding
+    assert step.slot_ids.tolist() == [0, -1, 1, -1, 3, 2, -1, -1]
+    assert step.query_start_loc.tolist() == [0, 1, 2, 7, 7, 0, 1, 2, 2, 2]
+    assert step.tokens.tolist() == [7, 0, 1, 2, 3, 4, 5, 0, 0, 0] + [5, 6] + [0] * 8
+    assert step.num_computed_tokens.tolist() == [1, 0, 0, 0, 7, 3, 0, 0]
+    assert builder.request_rows(step).tolist() == [4, 5, 0, 2]
+    assert step.query_lens.tolist() == [1, 1, 5, 0, 1, 1, 0, 0]
+    assert builder.dummy(1, 4).query_start_loc.tolist() == [0, 1, 5, 5, 0, 1, 5, 5]
+    one_row = dataclasses.replace(builder, decode_buckets=(1,))
+    one_row.build([Request(0, [1], 0), Request(2, [1], 0)], [])  # one row in each group
+    with pytest.raises(ValueError, match="2 decode rows of one slot group"):
+        one_row.build([Request(0, [1], 0), Request(1, [1], 0)], [])
+    with pytest.raises(ValueError, match="divisible"):
+        dataclasses.replace(builder, num_slots=3)
+
+
+def test_grouped_block_manager_takes_pages_from_the_slots_group():
+    groups = [
+        BlockManager(
+            num_pages=3,
+            block_size=4,
+            num_slots=2,
+            max_blocks=4,
+            num_snapshots=2,
+            prefix_caching=True,
+            needs_state=True,
+        )
+        for _ in range(2)
+    ]
+    blocks = GroupedBlockManager(groups)
+    assert (blocks.num_pages, blocks.num_snapshots) == (6, 4)
+    keys = block_keys([1] * 9, 4, 2)
+    assert blocks.admit(3, [1] * 9, keys, 12) is not None  # slot 3: group 1, local slot 1
+    blocks.ensure(3, 12)
+    assert blocks.slot_pages(3) == [0, 1, 2]  # group 1's own pages, numbered from 0
+    assert groups[1].num_free_pages == 0 and groups[0].num_free_pages == 3
+    assert blocks.tables[3, :3].tolist() == [0, 1, 2] and (blocks.tables[:3] == -1).all()
+    with pytest.raises(RuntimeError, match="exhausted"):
+        blocks.ensure(2, 1)  # group 1 is full, whatever group 0 holds
+    # Snapshot entries: group 1's local entry e is global 2 + e.
+    entry = groups[1].take_snapshot()
+    blocks.publish(3, [1] * 9, keys, range(0, 1), {0: 2 + entry})
+    assert groups[1].snapshot_of(keys[0]) == entry and groups[0].num_cached_blocks == 0
+    blocks.release(3)
+    assert blocks.num_free_pages == 6
 
 
 # ---------------------------------------------------------------- two processes
