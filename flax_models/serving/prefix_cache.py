@@ -381,6 +381,12 @@ class BlockManager:
                 self.give_back_snapshots([snapshot])
 
 
+def _summed(name: str) -> property:
+    """A ``GroupedBlockManager`` property: the ``BlockManager`` property ``name`` summed
+    over the groups."""
+    return property(lambda self: sum(getattr(m, name) for m in self.groups))
+
+
 class GroupedBlockManager:
     """The pages of an engine whose slots are split into groups (a ``"dp"`` mesh axis), one
     ``BlockManager`` per group: group g owns the slots ``[g·S/G, (g+1)·S/G)``, its own
@@ -437,25 +443,13 @@ class GroupedBlockManager:
         for m in self.groups:
             m.prefix_caching = enabled
 
-    @property
-    def num_free_pages(self) -> int:
-        return sum(m.num_free_pages for m in self.groups)
-
-    @property
-    def num_free_snapshots(self) -> int:
-        return sum(m.num_free_snapshots for m in self.groups)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return sum(m.num_cached_blocks for m in self.groups)
-
-    @property
-    def evicted_pages(self) -> int:
-        return sum(m.evicted_pages for m in self.groups)
-
-    @property
-    def evicted_snapshots(self) -> int:
-        return sum(m.evicted_snapshots for m in self.groups)
+    # Counts over every group.
+    num_free_pages = _summed("num_free_pages")
+    num_free_snapshots = _summed("num_free_snapshots")
+    num_cached_blocks = _summed("num_cached_blocks")
+    num_cached_snapshots = _summed("num_cached_snapshots")
+    evicted_pages = _summed("evicted_pages")
+    evicted_snapshots = _summed("evicted_snapshots")
 
     def reset(self) -> None:
         for m in self.groups:
