@@ -192,7 +192,8 @@ class HybridLM(nnx.Module):
     ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
         """Packed tokens[T] → (logits[T, V] in fp32, updated caches); with
         ``logits_rows[R]`` only those rows' logits, ``[R, V]`` (a serving step needs each
-        sequence's last token, not T × V logits).
+        sequence's last token, not T × V logits); with a grouped batch (``batch.groups =
+        G``) they are G equal runs, run g's rows among group g's tokens.
 
         ``tokens`` must lie in ``[0, V)``; they are not checked here (they are traced when
         serving): an id past the table gives NaN rows, a negative one wraps around.
@@ -205,7 +206,16 @@ class HybridLM(nnx.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             h, cache = block(layer, h, batch, cache)
             new_caches.append(cache)
-        if logits_rows is not None:
+        if logits_rows is not None and batch.groups > 1:
+            # A grouped step: each group's rows come from its own tokens, so the hidden
+            # states stay split over dp (a global gather would all-gather them).
+            groups, width = batch.groups, h.shape[-1]
+            local = logits_rows.reshape(groups, -1) - (
+                h.shape[0] // groups * jnp.arange(groups, dtype=logits_rows.dtype)[:, None]
+            )
+            h = h.reshape(groups, -1, width)
+            h = jnp.take_along_axis(h, local[..., None], axis=1).reshape(-1, width)
+        elif logits_rows is not None:
             h = h[logits_rows]
         h = self.final_norm(h)
         if self.lm_head is None:  # tied: the embedding table is the head

@@ -100,6 +100,13 @@ def with_tp_axis(mesh: Mesh | None) -> Mesh | None:
     return Mesh(mesh.devices[..., None], (*mesh.axis_names, TP))
 
 
+def psum_tp(x: jax.Array) -> jax.Array:
+    """``x`` summed over ``"tp"`` inside ``shard_call``; ``x`` itself on a ``"tp"`` axis of
+    size 1 (a dp-only mesh), where a ``psum`` would still compile to an all-reduce over
+    groups of one device, launched once per mixer."""
+    return x if jax.lax.axis_size(TP) == 1 else jax.lax.psum(x, TP)
+
+
 def _local_copies(total: int, tp: int) -> int:
     """Per device: total / tp when tp divides it, else 1 (a copy of the one it needs)."""
     return total // tp if total % tp == 0 else 1

@@ -15,7 +15,7 @@ from flax_models.cache import AttentionCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
 from flax_models.sharding import ATTENTION_CACHE_SPEC as CACHE_SPEC
-from flax_models.sharding import TP, shard_call
+from flax_models.sharding import psum_tp, shard_call
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
@@ -74,7 +74,7 @@ class Attention(nnx.Module):
             out, cache = local._attend(h, batch, cache)
             kernel = local.o_proj.kernel[...]
             part = jnp.dot(out.astype(kernel.dtype), kernel, precision=local.o_proj.precision)
-            return jax.lax.psum(part, TP), cache
+            return psum_tp(part), cache
 
         out, cache = shard_call(
             self, body, (h, batch, cache), (P(), P(), CACHE_SPEC), (P(), CACHE_SPEC)

@@ -16,7 +16,7 @@ from flax_models.batch import ForwardBatch
 from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
-from flax_models.sharding import TP, mamba_cache_spec, shard_call, tp_size
+from flax_models.sharding import TP, mamba_cache_spec, psum_tp, shard_call, tp_size
 from pallas_kernels._common import silu
 from pallas_kernels.ssd.api import gather_states, scatter_states
 
@@ -82,7 +82,7 @@ class Mamba2Mixer(nnx.Module):
             y, cache = local._mix(h, batch, cache)
             kernel = local.out_proj.kernel[...]
             part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
-            return jax.lax.psum(part, TP), cache
+            return psum_tp(part), cache
 
         spec = mamba_cache_spec(cache)
         out, cache = shard_call(self, body, (h, batch, cache), (P(), P(), spec), (P(), spec))

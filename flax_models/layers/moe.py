@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from flax_models.config import HybridConfig
 from flax_models.layers.mlp import MLP
-from flax_models.sharding import TP, shard_call
+from flax_models.sharding import psum_tp, shard_call
 
 Router = Callable[[jax.Array, jax.Array | None, HybridConfig], tuple[jax.Array, jax.Array]]
 
@@ -177,7 +177,7 @@ class MoE(nnx.Module):
         else:  # expert widths split over tp: every device routes, sums its partial outputs
             out = shard_call(
                 self,
-                lambda local, x: jax.lax.psum(local._routed(x), TP),
+                lambda local, x: psum_tp(local._routed(x)),
                 (x,),
                 (P(),),
                 P(),

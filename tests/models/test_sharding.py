@@ -143,8 +143,56 @@ out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 # tokens; the caches split over dp; as many programs as a tp-only engine of the same buckets
 # (one per bucket, whatever dp). dp x tp = 2 x 1 also runs prefix caching (each group its
 # own cache: the second [7] * 20 hits). The plain forward runs replicated over dp.
+import re
 from jax.sharding import Mesh
+from flax_models.batching import Request
 from tests.models.test_engine import program_count
+
+# Where each collective of the compiled decode step of all the engine's slots reduces or
+# gathers: "within" when every replica group lies inside one slot group (dp index; logical
+# device i is mesh position i, so its dp index is i // tp), "across" otherwise, "unparsed"
+# for a form not read here. HLO writes the groups as mesh axes, iota or explicit lists.
+def replica_groups(text, num_devices):
+    axes = re.match(r"mesh\[[^\]]*\] \{([^}]*)\}", text)
+    if axes:
+        return axes.group(1)
+    iota = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if iota:
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(num_devices).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+        return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    explicit = re.match(r"\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", text)
+    if explicit:
+        lists = re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        return [[int(i) for i in g.split(",") if i] for g in lists]
+    return None
+
+def step_collectives(engine, tp):
+    arrays = engine.builder.build([Request(s, [3], 5) for s in range(4)], [])
+    restore = snapshots = None
+    if engine.prefix_caching:
+        restore = np.full(len(arrays.slot_ids) - arrays.groups * arrays.num_decode, -1, np.int32)
+        snapshots = engine._snapshot_plan(arrays, [], [])[0]
+    hlo = engine._jitted.lower(
+        engine._param_leaves, engine.caches, engine._slot_tokens, arrays.tokens,
+        arrays.query_start_loc, arrays.num_computed_tokens, arrays.slot_ids,
+        engine._device_tables(), restore, snapshots, num_decode=arrays.num_decode,
+    ).compile().as_text()
+    found = []
+    kinds = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
+    for line in hlo.splitlines():
+        if re.search(rf"= \S+ ({kinds})(-start)?\(", line):
+            groups = replica_groups(line.split("replica_groups=")[-1], 2 * tp)
+            if groups is None:
+                found.append("unparsed")
+            elif isinstance(groups, str):
+                found.append("across" if "'dp'" in groups else "within")
+            else:
+                inside = all(len({i // tp for i in g}) == 1 for g in groups)
+                found.append("within" if inside else "across")
+    return found
 dp_options = dict(options, max_slots=4, decode_buckets=(2,), token_buckets=(16,))
 out["dp"] = {}
 for dp, tp in ((2, 2), (2, 1)):
@@ -166,6 +214,7 @@ for dp, tp in ((2, 2), (2, 1)):
             for leaf in jax.tree.leaves(engine.caches[:2])  # Mamba2 (snapshots), attention
         ],
     )
+    out["dp"][f"{dp}x{tp}"]["collectives"] = step_collectives(engine, tp)
     lap(f"engine dp={dp} tp={tp}")
 # The tp-only engine of the same buckets (2 slots): as many programs.
 out["dp"]["tp_programs"] = program_count(Engine(sharded, **dict(dp_options, max_slots=2)))
@@ -281,6 +330,11 @@ def test_engine_on_dp_slot_groups_generates_the_single_device_tokens(results):
     assert dp["2x2"]["compiled"] <= dp["2x2"]["programs"] == dp["tp_programs"]
     for name, message in dp["errors"].items():
         assert message is not None and name in message and "dp=2" in message, (name, message)
+    # A step never communicates across slot groups: at tp = 2 its collectives are the
+    # mixers' all-reduces over tp; at tp = 1 it has none (no psum over one device, no
+    # all-gather of the hidden states for the logits rows).
+    assert dp["2x2"]["collectives"] and set(dp["2x2"]["collectives"]) == {"within"}
+    assert dp["2x1"]["collectives"] == []
 
 
 def test_configs_tp_cannot_split_name_the_field(results):
