@@ -275,8 +275,9 @@ class Engine:
         self.block_size = block_size
         self.prefix_caching = bool(prefix_caching)
         slots_per_group = max_slots // groups
-        self._snapshots_per_group = num_snapshots // groups
-        self._block_groups = [
+        # One manager per slot group; the grouped view also translates snapshot ids between
+        # global (the host's) and group-local (the step's), also for a single group.
+        self._grouped = GroupedBlockManager(
             BlockManager(
                 num_pages=num_kv_blocks // groups,
                 block_size=block_size,
@@ -287,10 +288,9 @@ class Engine:
                 needs_state=has_mamba,
             )
             for _ in range(groups)
-        ]
-        self.blocks = (
-            self._block_groups[0] if groups == 1 else GroupedBlockManager(self._block_groups)
         )
+        self._block_groups = self._grouped.groups
+        self.blocks = self._block_groups[0] if groups == 1 else self._grouped
         self._tables = None  # the device copy of blocks.tables, and its version
         self._tables_version = -1
         self.cfg = cfg
@@ -622,7 +622,7 @@ class Engine:
                 entry = blocks.take_snapshot()
                 if entry is None:
                     break
-                taken.setdefault(seq.index, {})[block] = group * self._snapshots_per_group + entry
+                taken.setdefault(seq.index, {})[block] = self._grouped.global_snapshot(group, entry)
                 if local_row < num_decode:
                     decode_saves[group].append((local_row, entry))
                 else:
@@ -983,7 +983,7 @@ class Engine:
             for seq, row in zip([s for s, _ in fed], rows, strict=True):
                 if seq.restore is not None:  # a prefill row, its first computed step
                     group, local_row = divmod(int(row), group_rows)
-                    local_entry = seq.restore - group * self._snapshots_per_group
+                    _, local_entry = self._grouped.local_snapshot(seq.restore)
                     restore_ids[group, local_row - arrays.num_decode] = local_entry
             restore_ids = restore_ids.reshape(-1)
         # Each row samples with its request's settings and key; rows whose token is not

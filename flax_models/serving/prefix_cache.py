@@ -418,11 +418,15 @@ class GroupedBlockManager:
         """Group ``group``'s snapshot ``entry`` as a global id."""
         return None if entry is None else group * self.snapshots_per_group + entry
 
+    def local_snapshot(self, snapshot: int) -> tuple[int, int]:
+        """``(group, entry)``: the global snapshot id as its group's own id."""
+        return divmod(snapshot, self.snapshots_per_group)
+
     def _local_snapshots(self, snapshots: Sequence[int]) -> dict[int, list[int]]:
         """Global snapshot ids by group, as the groups' own ids."""
         by_group: dict[int, list[int]] = {}
         for snapshot in snapshots:
-            group, entry = divmod(snapshot, self.snapshots_per_group)
+            group, entry = self.local_snapshot(snapshot)
             by_group.setdefault(group, []).append(entry)
         return by_group
 
@@ -501,5 +505,5 @@ class GroupedBlockManager:
         """``BlockManager.publish`` in ``slot``'s group; ``snapshots`` are global ids of
         entries taken from that group."""
         manager, local = self._of(slot)
-        local_snapshots = {b: e % self.snapshots_per_group for b, e in snapshots.items()}
+        local_snapshots = {b: self.local_snapshot(e)[1] for b, e in snapshots.items()}
         manager.publish(local, tokens, keys, blocks, local_snapshots)
