@@ -60,8 +60,8 @@ def _mosaic_attention(
     q, k_cache, v_cache, *, causal, sm_scale, sliding_window, config: mosaic.BlockSizes, **batch
 ) -> jax.Array:
     """The Mosaic GPU kernel; its gradients run the Triton backward kernels (Pallas kernels
-    too; the Mosaic kernel has no backward of its own), from the Triton query-block
-    forward's saved logsumexp (under differentiation the forward runs that kernel)."""
+    too; the Mosaic kernel has no backward of its own), from the logsumexp the Mosaic
+    kernel saves under differentiation."""
     return jit_attention(
         triton.differentiable_attention,
         q,

@@ -73,6 +73,7 @@ _PRODUCER_REGISTERS: Final = 40
 # keeps alpha = 2^(min - min) = 1 and p = 2^(-inf) = 0 instead of NaN.
 _MASK_MAX: Final = float(jnp.finfo(jnp.float32).min)
 _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
+_LOG2_E: Final = 1.4426950408889634  # log2(x) = ln(x) * log2(e)
 # 128-byte swizzle of 64-element (bf16) rows: the wgmma operand layout for K and V tiles.
 _SWIZZLE_BYTES: Final = 128
 _SUPPORTED_HEAD_DIMS: Final = (64, 128)
@@ -318,6 +319,7 @@ def _kernel(
     k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
     v_ref,  # like k_ref
     o_ref,  # [T, Hq, D]
+    lse_ref=None,  # [Hq, I * C * block_q] fp32 or None: each consumer's rows' lse
     *,
     group: int,
     head_group: int,
@@ -330,7 +332,9 @@ def _kernel(
     tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
     tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
 
-    def body(q_smem, o_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free, turn):
+    def body(
+        q_smem, o_smem, lse_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free, turn
+    ):
         # The ring: block j of the item's union [kv_lo, kv_hi) goes to slot (j - kv_lo) %
         # num_stages; k_full/v_full fire when its TMA lands, k_free/v_free when both
         # consumers are done with it (each consumer waits and arrives once per block).
@@ -487,11 +491,19 @@ def _kernel(
             carry = lax.fori_loop(mid_hi, hi_blk, functools.partial(step, masked=True), carry)
             lax.fori_loop(hi_blk, kv_hi, release, None)
             pl.when(c == 0)(take_turn)
-            _, l, acc = carry
+            m, l, acc = carry
             # Rows with no visible key and zeroing items (no step: l = 0, acc = 0) give 0.
             out = acc * lax.broadcast_in_dim(1.0 / jnp.maximum(l, _TINY), acc.shape, [0])
             o_tile[...] = out.astype(dtype)
+            if lse_ref is not None:
+                # log2-sum-exp2 of the scaled logits (rows with no visible key: finfo.min
+                # + log2(tiny), finite), every row of the consumer's tile: the wrapper
+                # gathers the stored rows' entries.
+                lse_smem.at[c][...] = m + jnp.log(jnp.maximum(l, _TINY)) * _LOG2_E
             plgpu.commit_smem()
+            if lse_ref is not None:
+                column = (item * _CONSUMERS + c) * block_q
+                plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[head, pl.ds(column, block_q)])
             # TMA boxes are static: store the live rows as a sum of powers of two.
             start = first
             size = block_q
@@ -510,6 +522,7 @@ def _kernel(
         body,
         plgpu.SMEM((_CONSUMERS, block_q, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((_CONSUMERS, block_q, head_dim), dtype),
+        None if lse_ref is None else plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
         plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tiles),
         plgpu.Barrier(num_barriers=_CONSUMERS),
@@ -535,10 +548,14 @@ def prefill_attention(
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
     block_sizes: BlockSizes,
-) -> jax.Array:
+    with_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Mosaic GPU prefill kernel, ``out[T, Hq, D]``; the call must be
     :func:`supports`-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced.
-    With ``block_table`` the caches are page pools (``block_k`` must divide the page)."""
+    With ``block_table`` the caches are page pools (``block_k`` must divide the page).
+    ``with_lse``: also ``lse[T, Hq]`` fp32, each row's log2-sum-exp2 of its scaled logits
+    (the Triton prefill kernel's ``lse``, what the backward kernels recompute the
+    probabilities from; 0 for rows of padding sequences and past the sequences)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
     b = block_sizes
@@ -580,7 +597,16 @@ def prefill_attention(
             block_k=b.block_k,
             num_stages=b.num_stages,
         ),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=(
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct(
+                    (num_q_heads, item_plan.num_items * _CONSUMERS * b.block_q), jnp.float32
+                ),
+            )
+            if with_lse
+            else jax.ShapeDtypeStruct(q.shape, q.dtype)
+        ),
         # The last axis varies fastest: the heads of a group (query heads sharing a KV
         # head are adjacent) side by side, then items longest first, then groups.
         grid=(num_q_heads // head_group, item_plan.num_items, head_group),
@@ -591,7 +617,33 @@ def prefill_attention(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
     )
-    return kernel(item_plan, scale_operand(sm_scale), band, q, k_cache, v_cache)
+    result = kernel(item_plan, scale_operand(sm_scale), band, q, k_cache, v_cache)
+    if not with_lse:
+        return result
+    out, tile_lse = result
+    return out, _stored_rows_lse(tile_lse, item_plan, num_tokens=num_tokens, block_q=b.block_q)
+
+
+def _stored_rows_lse(tile_lse: jax.Array, item_plan: Plan, *, num_tokens: int, block_q: int):
+    """``lse[T, Hq]`` from the consumers' tiles ``tile_lse[Hq, I * C * block_q]``: each
+    packed row's entry from the one consumer that stores it (every row has one); rows of
+    items with nothing to attend to (padding sequences, bucket rows) get 0."""
+    rows = jnp.arange(block_q, dtype=jnp.int32)
+    tile_row0 = item_plan.row0[:, None] + jnp.arange(_CONSUMERS, dtype=jnp.int32) * block_q
+    token = tile_row0[:, :, None] + rows  # [I, C, block_q]
+    first, live = item_plan.first[:, :, None], item_plan.live[:, :, None]
+    stored = (rows >= first) & (rows < first + live)
+    token = jnp.where(stored, token, num_tokens)  # out of bounds: dropped
+    column = jnp.arange(token.size, dtype=jnp.int32).reshape(token.shape)
+    index = jnp.zeros((num_tokens,), jnp.int32).at[token.ravel()].set(column.ravel(), mode="drop")
+    attends = (
+        jnp.zeros((num_tokens,), jnp.bool_)
+        .at[token.ravel()]
+        .set(
+            jnp.broadcast_to((item_plan.slot >= 0)[:, None, None], token.shape).ravel(), mode="drop"
+        )
+    )
+    return jnp.where(attends[:, None], tile_lse[:, index].T, 0.0)
 
 
 def masked_tail_attention(

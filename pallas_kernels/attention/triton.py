@@ -114,6 +114,8 @@ _MAX_Q_ROWS: Final = 128
 # Shared memory a block may use on Hopper (227 KiB), less room for Triton's scratch
 # (reductions, layout conversions): the heuristics keep their pipelines under it.
 _SMEM_BUDGET_BYTES: Final = 200 * 1024
+# Q and dO tile rows per step of the dK/dV kernel's row loop (query tokens × padded group).
+_DKV_Q_ROWS: Final = 32
 # Elements of one combine step's [splits, group, head dim] fp32 tile: 8 splits at
 # group 4, D = 128, i.e. 32 per thread at 4 warps.
 _COMBINE_TILE_ELEMS: Final = 4096
@@ -521,18 +523,19 @@ class _PrefillPlan:
     def of(
         cls,
         s,
-        b: BlockSizes,
         query_start_loc,
         kv_lens,
         slot_ids,
         block_table=None,
         *,
+        block_q: int,
+        block_k: int,
         causal,
         sliding_window,
     ) -> _PrefillPlan:
-        max_q_blocks = pl.cdiv(s.num_tokens, b.block_q) + s.num_seqs
+        max_q_blocks = pl.cdiv(s.num_tokens, block_q) + s.num_seqs
         prog_seq, prog_row = prefill_table(
-            query_start_loc, num_tokens=s.num_tokens, block_q=b.block_q, max_q_blocks=max_q_blocks
+            query_start_loc, num_tokens=s.num_tokens, block_q=block_q, max_q_blocks=max_q_blocks
         )
         starts = query_start_loc[:-1]
         q_len = query_start_loc[1:] - starts
@@ -549,8 +552,8 @@ class _PrefillPlan:
             seq_kv_len=seq_kv_len,
             seq_slot=seq_slot,
             band=band,
-            block_q=b.block_q,
-            block_k=b.block_k,
+            block_q=block_q,
+            block_k=block_k,
         )
         return cls(
             max_q_blocks, prog_seq, prog_row, seq_end, seq_offset, seq_kv_len, seq_slot, table, band
@@ -588,11 +591,12 @@ def prefill_attention(
     check_paged_block_sizes(b, s.page_size)
     plan = _PrefillPlan.of(
         s,
-        b,
         query_start_loc,
         kv_lens,
         slot_ids,
         block_table,
+        block_q=b.block_q,
+        block_k=b.block_k,
         causal=causal,
         sliding_window=sliding_window,
     )
@@ -651,7 +655,94 @@ def prefill_attention(
 #   of its sequence's keys and values (skipped at or past ``kv_len``: those cache lines get
 #   0, as does every line no sequence reads) and walks the query rows that can see it,
 #   ``dV += Pᵀ dO``, ``dK += dSᵀ Q``; the GQA group's query heads sit in the same Q tile, so
-#   ``dK``, ``dV`` are summed over them inside the product.
+#   ``dK``, ``dV`` are summed over them inside the product. It computes the transposed
+#   scores ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` directly (FlashAttention-2's Triton kernels do
+#   the same): ``Pᵀ`` and ``dSᵀ`` are then the left operands of the two products as they
+#   come out of the tensor cores, with no transpose through shared memory. Like the
+#   forward's KV loop, the row loop masks only the tiles on the band's edges and the
+#   ``kv_len`` block; interior tiles see every key of the block.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackwardBlockSizes:
+    """Tiling and launch parameters of the two backward launches
+    (:func:`default_backward_block_sizes` picks them from the forward's)."""
+
+    dq_block_q: int = 32  # query tokens per dQ program (Q tile rows: × padded group)
+    dq_block_k: int = 64  # keys per step of its KV loop
+    dq_num_warps: int = 8
+    dq_num_stages: int = 3
+    dkv_block_k: int = 128  # keys per dK/dV program
+    dkv_block_q: int = 16  # query tokens per step of its loop over the rows
+    dkv_num_warps: int = 8
+    dkv_num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("dq_block_q", "dkv_block_q"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two")
+        for name in ("dq_block_k", "dkv_block_k"):
+            value = getattr(self, name)
+            if value < MIN_DOT_DIM or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
+        for name in ("dq_num_warps", "dq_num_stages", "dkv_num_warps", "dkv_num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+def _grad_block_sizes(block_sizes: BlockSizes, group: int) -> BlockSizes:
+    """The prefill tiles, with Q tiles of at least 16 rows (Triton's smallest dot): the
+    forward that saves ``lse`` for the backward."""
+    block_q = max(block_sizes.block_q, MIN_DOT_DIM // next_power_of_2(group))
+    return dataclasses.replace(block_sizes, block_q=block_q)
+
+
+def default_backward_block_sizes(
+    block_sizes: BlockSizes, *, group: int, page_size: int | None = None
+) -> BackwardBlockSizes:
+    """The backward's tiles for a forward tiled ``block_sizes``.
+
+    dQ walks the forward's query blocks with the forward's tiles (at least 16 Q tile rows).
+    dK/dV holds ``2 * block_k`` keys (at most 128, and a divisor of the page when paged)
+    and steps over the rows ``32 / padded group`` query tokens at a time (at least one),
+    i.e. Q and dO tiles of 32 rows, FlashAttention-2's Triton tiles on Hopper
+    (BLOCK_N1 = 128 keys, BLOCK_M1 = 32 rows); measured on an H200 (4 × 4096, Hq 32,
+    Hkv 8, D 128, bf16): see ``benchmarks/results/nvidia_h200_train.json``.
+    """
+    fwd = _grad_block_sizes(block_sizes, group)
+    bg = next_power_of_2(group)
+    dkv_block_k = min(2 * fwd.block_k, 128)
+    if page_size is not None:
+        dkv_block_k = min(dkv_block_k, page_size & -page_size)
+    return BackwardBlockSizes(
+        dq_block_q=fwd.block_q,
+        dq_block_k=fwd.block_k,
+        dq_num_warps=fwd.num_warps,
+        dq_num_stages=fwd.num_stages,
+        dkv_block_k=max(dkv_block_k, fwd.block_k),
+        dkv_block_q=max(_DKV_Q_ROWS // bg, 1, MIN_DOT_DIM // bg),
+        dkv_num_warps=fwd.num_warps,
+        dkv_num_stages=fwd.num_stages,
+    )
+
+
+def check_backward_block_sizes(b: BackwardBlockSizes, *, group: int, page_size: int | None) -> None:
+    """Q tiles of at least ``MIN_DOT_DIM`` rows; paged, KV blocks that divide the page."""
+    bg = next_power_of_2(group)
+    for name in ("dq_block_q", "dkv_block_q"):
+        if getattr(b, name) * bg < MIN_DOT_DIM:
+            raise ValueError(
+                f"{name}={getattr(b, name)} times the padded GQA group {bg} must be >= "
+                f"{MIN_DOT_DIM} (the smallest Triton dot dimension)"
+            )
+    if page_size is not None:
+        for name in ("dq_block_k", "dkv_block_k"):
+            if page_size % getattr(b, name):
+                raise ValueError(
+                    f"{name}={getattr(b, name)} must divide the paged cache's "
+                    f"block_size={page_size}"
+                )
 
 
 def _bwd_tile_loads(
@@ -671,11 +762,17 @@ def _bwd_tile_loads(
     compute_dtype,
 ):
     """The Q, dO tiles ``[block_q * bg, bd]`` and the lse, delta rows ``[block_q * bg]`` of
-    query rows ``row0..row0+block_q`` (dead rows and padded heads read 0)."""
+    query rows ``row0..row0+block_q`` (dead rows and padded heads read 0; ``row_live``
+    None: every row is live)."""
     g_live = jnp.arange(bg) < group
     d_live = jnp.arange(bd) < head_dim
-    mask3 = row_live[:, None, None] & g_live[None, :, None] & d_live[None, None, :]
-    mask2 = row_live[:, None] & g_live[None, :]
+    if row_live is None and bg == group and bd == head_dim:
+        mask3 = mask2 = None
+    else:
+        if row_live is None:
+            row_live = jnp.ones((block_q,), jnp.bool_)
+        mask3 = row_live[:, None, None] & g_live[None, :, None] & d_live[None, None, :]
+        mask2 = row_live[:, None] & g_live[None, :]
     rows, heads = pl.ds(row0, block_q), pl.ds(head0, bg)
     cols = pl.ds(static_index(0), bd)
     q = _load(q_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
@@ -687,16 +784,29 @@ def _bwd_tile_loads(
 
 
 def _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale):
-    """``(P, dS)`` ``[rows, bk]`` of one (Q tile, KV block) pair: ``P`` recomputed from the
-    saved ``lse``, ``dS`` the gradient of the logits ``sm_scale · Q Kᵀ`` (so
-    ``dQ = sm_scale · dS K`` and ``dK = sm_scale · dSᵀ Q``)."""
+    """``dS[rows, bk]`` of one (Q tile, KV block) pair, the gradient of the logits
+    ``sm_scale · Q Kᵀ`` (so ``dQ = sm_scale · dS K``), with ``P = 2^(S·log2e − lse)``
+    recomputed from the saved ``lse``; ``visible`` None: every pair is visible."""
     s = dot(q, k, trans_b=True) * qk_scale
     p = jnp.exp2(s - lse[:, None])
-    p = jnp.where(visible, p, 0.0)
     dp = dot(do, v, trans_b=True)
+    ds = p * (dp - delta[:, None])
     # Selected, not multiplied: p = 0 times a NaN dp (a non-finite value a row does not
     # see) would be NaN.
-    return p, jnp.where(visible, p * (dp - delta[:, None]), 0.0)
+    return ds if visible is None else jnp.where(visible, ds, 0.0)
+
+
+def _bwd_scores_transposed(q, do, k, v, lse, delta, visible, qk_scale):
+    """``(Pᵀ, dSᵀ)`` ``[bk, rows]``: :func:`_bwd_scores`'s pair computed as ``K Qᵀ`` and
+    ``V dOᵀ`` (``visible[bk, rows]`` or None), the left operands of ``dV += Pᵀ dO`` and
+    ``dK += dSᵀ Q`` as they are."""
+    s = dot(k, q, trans_b=True) * qk_scale
+    p = jnp.exp2(s - lse[None, :])
+    dp = dot(v, do, trans_b=True)
+    ds = p * (dp - delta[None, :])
+    if visible is None:
+        return p, ds
+    return jnp.where(visible, p, 0.0), jnp.where(visible, ds, 0.0)
 
 
 def _dq_kernel(
@@ -784,9 +894,10 @@ def _dq_kernel(
 
             def kv_block(j, dq, *, masked):
                 start = j * block_k
-                keys = start + jnp.arange(block_k)
-                visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
+                visible = None  # the interior: every key below kv_len, in every band
                 if masked:
+                    keys = start + jnp.arange(block_k)
+                    visible = jnp.broadcast_to(keys[None, :] < kv_len, (rows, block_k))
                     visible &= keys[None, :] <= pos[:, None] + right
                     visible &= keys[None, :] > pos[:, None] - left
                 k, v = _load_kv_block(
@@ -801,7 +912,7 @@ def _dq_kernel(
                     kv_len=kv_len,
                     masked=masked,
                 )
-                _, ds = _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale)
+                ds = _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale)
                 return dq + dot(ds.astype(compute_dtype), k)
 
             dq = _kv_loop(kv_block, jnp.zeros((rows, bd), jnp.float32), *bounds)
@@ -868,14 +979,19 @@ def _dkv_kernel(
             masked=True,
         )
         # Query rows whose band meets keys [start, start + block_k): positions
-        # start - right <= pos <= start + block_k - 2 + left.
+        # start - right <= pos <= start + block_k - 2 + left; of those, the rows that see
+        # every key of a block wholly below kv_len: start + block_k - 1 - right <= pos <
+        # start + left.
         row_lo = jnp.clip(start - right - offset, seq_start, seq_end)
         row_hi = jnp.clip(start + block_k - 1 + left - offset, row_lo, seq_end)
+        full_lo = jnp.clip(start + block_k - 1 - right - offset, row_lo, row_hi)
+        full_hi = jnp.clip(start + left - offset, full_lo, row_hi)
+        full_hi = jnp.where(start + block_k <= kv_len, full_hi, full_lo)
 
-        def q_block(i, carry):
+        def q_block(i, carry, *, masked):
             dk, dv = carry
             row0 = row_lo + i * block_q
-            row_live = row0 + jnp.arange(block_q) < row_hi
+            row_live = row0 + jnp.arange(block_q) < row_hi if masked else None
             q, do, lse, delta = _bwd_tile_loads(
                 q_ref,
                 do_ref,
@@ -891,29 +1007,25 @@ def _dkv_kernel(
                 block_q=block_q,
                 compute_dtype=compute_dtype,
             )
-            pos = row0 + offset + jnp.arange(rows) // bg
-            live = jnp.repeat(row_live, bg)  # [rows], query-major like the tile
-            visible = live[:, None] & (keys[None, :] < kv_len)
-            visible &= keys[None, :] <= pos[:, None] + right
-            visible &= keys[None, :] > pos[:, None] - left
-            p, ds = _bwd_scores(q, do, k, v, lse, delta, visible, qk_scale)
-            dv = dv + dot(p.astype(compute_dtype), do, trans_a=True)
-            dk = dk + dot(ds.astype(compute_dtype), q, trans_a=True)
+            visible = None
+            if masked:
+                pos = row0 + offset + jnp.arange(rows) // bg
+                live = jnp.repeat(row_live, bg)  # [rows], query-major like the tile
+                visible = live[None, :] & (keys[:, None] < kv_len)
+                visible &= keys[:, None] <= pos[None, :] + right
+                visible &= keys[:, None] > pos[None, :] - left
+            p, ds = _bwd_scores_transposed(q, do, k, v, lse, delta, visible, qk_scale)
+            dv = dv + dot(p.astype(compute_dtype), do)
+            dk = dk + dot(ds.astype(compute_dtype), q)
             return dk, dv
 
         zeros = jnp.zeros((block_k, bd), jnp.float32)
-        num_q_blocks = jax.lax.div(row_hi - row_lo + block_q - 1, block_q)
-        dk, dv = jax.lax.fori_loop(0, num_q_blocks, q_block, (zeros, zeros))
+        bounds = _block_ranges(0, row_hi - row_lo, full_lo - row_lo, full_hi - row_lo, block_q)
+        dk, dv = _kv_loop(q_block, (zeros, zeros), *bounds)
         mask = (keys < kv_len)[:, None] & d_live[None, :]
         where = (out_line, pl.ds(start, block_k), h, pl.ds(static_index(0), bd))
         plgpu.store(dk_ref.at[where], (dk * sm_scale).astype(dk_ref.dtype), mask=mask)
         plgpu.store(dv_ref.at[where], dv.astype(dv_ref.dtype), mask=mask)
-
-
-def _grad_block_sizes(block_sizes: BlockSizes, group: int) -> BlockSizes:
-    """The prefill tiles, with Q tiles of at least 16 rows (Triton's smallest dot)."""
-    block_q = max(block_sizes.block_q, MIN_DOT_DIM // next_power_of_2(group))
-    return dataclasses.replace(block_sizes, block_q=block_q)
 
 
 def attention_backward(
@@ -931,12 +1043,12 @@ def attention_backward(
     causal: bool | jax.Array,
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
-    block_sizes: BlockSizes,
+    block_sizes: BackwardBlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pallas backward kernels of :func:`prefill_attention` (``out`` and ``lse`` from its
-    ``with_lse`` call, ``block_sizes`` from :func:`_grad_block_sizes`): ``dout[T, Hq, D]``
-    -> ``(dq[T, Hq, D], dk_cache[S, L, Hkv, D], dv_cache[S, L, Hkv, D])``. Cache lines the
+    ``with_lse`` call, or any forward's with the same ``lse``): ``dout[T, Hq, D]`` ->
+    ``(dq[T, Hq, D], dk_cache[S, L, Hkv, D], dv_cache[S, L, Hkv, D])``. Cache lines the
     forward did not read (other slots, positions at or past ``kv_len``) get 0.
 
     Paged: the dk/dv kernel writes each sequence's gradient to its own line of a
@@ -945,15 +1057,16 @@ def attention_backward(
     sequences sums them; pages no sequence reads get 0)."""
     s = _AttentionShapes.of(q, k_cache, query_start_loc, block_table)
     b = block_sizes
-    check_paged_block_sizes(b, s.page_size)
+    check_backward_block_sizes(b, group=s.group, page_size=s.page_size)
     with pallas_dtypes():
         plan = _PrefillPlan.of(
             s,
-            b,
             query_start_loc,
             kv_lens,
             slot_ids,
             block_table,
+            block_q=b.dq_block_q,
+            block_k=b.dq_block_k,
             causal=causal,
             sliding_window=sliding_window,
         )
@@ -967,20 +1080,17 @@ def attention_backward(
         static = dict(
             group=s.group,
             head_dim=s.head_dim,
-            block_q=b.block_q,
-            block_k=b.block_k,
             page_size=s.page_size,
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         )
-        params = compiler_params(num_warps=b.num_warps, num_stages=b.num_stages)
-        suffix = f"bq{b.block_q}_bk{b.block_k}_g{s.group}_d{s.head_dim}{_paged_suffix(s)}"
+        shape = f"g{s.group}_d{s.head_dim}{_paged_suffix(s)}"
         dq = pl.pallas_call(
-            functools.partial(_dq_kernel, **static),
+            functools.partial(_dq_kernel, block_q=b.dq_block_q, block_k=b.dq_block_k, **static),
             grid=(s.num_kv_heads, plan.max_q_blocks),
             out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-            compiler_params=params,
+            compiler_params=compiler_params(num_warps=b.dq_num_warps, num_stages=b.dq_num_stages),
             interpret=interpret,
-            name=f"attention_bwd_dq_{suffix}",
+            name=f"attention_bwd_dq_bq{b.dq_block_q}_bk{b.dq_block_k}_{shape}",
         )(
             plan.prog_seq,
             plan.prog_row,
@@ -1018,16 +1128,16 @@ def attention_backward(
         if s.page_size is not None:  # per-sequence lines
             grad_shape = (s.num_seqs, s.cache_len, *k_cache.shape[2:])
         dk, dv = pl.pallas_call(
-            functools.partial(_dkv_kernel, **static),
-            grid=(s.num_kv_heads, s.num_seqs, pl.cdiv(s.cache_len, b.block_k)),
+            functools.partial(_dkv_kernel, block_q=b.dkv_block_q, block_k=b.dkv_block_k, **static),
+            grid=(s.num_kv_heads, s.num_seqs, pl.cdiv(s.cache_len, b.dkv_block_k)),
             out_shape=(
                 jax.ShapeDtypeStruct(grad_shape, k_cache.dtype),
                 jax.ShapeDtypeStruct(grad_shape, v_cache.dtype),
             ),
             input_output_aliases={len(dkv_args): 0, len(dkv_args) + 1: 1},
-            compiler_params=params,
+            compiler_params=compiler_params(num_warps=b.dkv_num_warps, num_stages=b.dkv_num_stages),
             interpret=interpret,
-            name=f"attention_bwd_dkv_{suffix}",
+            name=f"attention_bwd_dkv_bq{b.dkv_block_q}_bk{b.dkv_block_k}_{shape}",
         )(
             *dkv_args,
             jnp.zeros(grad_shape, k_cache.dtype),
@@ -1058,9 +1168,9 @@ def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, prima
     """The attention kernels with their Pallas backward kernels, for one config.
 
     Outside differentiation the forward is ``primal(q, k_cache, v_cache, **operands,
-    block_sizes=primal_config)`` (default: the kernel :func:`_prefill_or_decode` picks);
-    under differentiation it is the query-block kernel with ``lse`` (any layout), whose
-    residuals the backward kernels need."""
+    block_sizes=primal_config)`` (default: the kernel :func:`_prefill_or_decode` picks).
+    Under differentiation it is the same call with ``with_lse=True`` (default: the
+    query-block kernel with ``lse``, any layout): the backward kernels need ``lse``."""
 
     @jax.custom_vjp
     def attention(q, k_cache, v_cache, batch, mask):
@@ -1071,6 +1181,11 @@ def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, prima
         )
 
     def forward(q, k_cache, v_cache, batch, mask):
+        if primal is not None:
+            out, lse = primal(
+                q, k_cache, v_cache, **batch, **mask, block_sizes=primal_config, with_lse=True
+            )
+            return out, (q, k_cache, v_cache, out, lse, batch, mask)
         group = q.shape[1] // k_cache.shape[2]
         with pallas_dtypes():
             out, lse = prefill_attention(
@@ -1087,7 +1202,10 @@ def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, prima
 
     def backward_rule(residuals, dout):
         q, k_cache, v_cache, out, lse, batch, mask = residuals
-        group = q.shape[1] // k_cache.shape[2]
+        page_size = None if batch["block_table"] is None else k_cache.shape[1]
+        backward_blocks = default_backward_block_sizes(
+            block_sizes, group=q.shape[1] // k_cache.shape[2], page_size=page_size
+        )
         grads = attention_backward(
             q,
             k_cache,
@@ -1097,7 +1215,7 @@ def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, prima
             dout,
             **batch,
             **mask,
-            block_sizes=_grad_block_sizes(block_sizes, group),
+            block_sizes=backward_blocks,
             interpret=interpret,
         )
         # The batch layout and the mask operands are not differentiated.
@@ -1126,7 +1244,9 @@ def differentiable_attention(
 ) -> jax.Array:
     """Attention differentiable through this module's Pallas backward kernels
     (:func:`attention_backward`); ``primal``/``primal_config``: another backend's forward
-    kernel and its config, run when not differentiating (the Mosaic backend's use)."""
+    kernel and its config, run in place of this module's (the Mosaic backend's use); under
+    differentiation it is called with ``with_lse=True`` and must return ``(out, lse)``
+    as :func:`prefill_attention` does."""
     batch = dict(
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,

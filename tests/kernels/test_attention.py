@@ -1238,6 +1238,54 @@ def test_mosaic_kernel_matches_oracle(
     check_attention(batch, out, causal=causal, sliding_window=window)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not supports_mosaic(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("window", [None, 70])
+def test_mosaic_lse_and_gradients_match_triton(window):
+    """Under differentiation the Mosaic kernel saves the lse the Triton backward kernels
+    read: it is the Triton forward's on every row, and the gradients through the Mosaic
+    backend are the Triton backend's."""
+    rng = np.random.default_rng(51)
+    D = 128
+    batch = _mosaic_batch(rng, jnp.bfloat16, D, 8, 2)
+    mask = dict(causal=True, sm_scale=D**-0.5, sliding_window=window)
+    operands = (batch.q, batch.k_cache, batch.v_cache)
+    out, lse = attention_mosaic.prefill_attention(
+        *operands,
+        **batch.kwargs(),
+        **mask,
+        block_sizes=attention_mosaic.BlockSizes(),
+        with_lse=True,
+    )
+    ref_out, ref_lse = attention_triton.prefill_attention(
+        *operands,
+        **batch.kwargs(),
+        **mask,
+        block_sizes=attention_triton.BlockSizes(),
+        with_lse=True,
+    )
+    assert_close(as_f32(out), as_f32(ref_out), rtol=tolerance_for(jnp.bfloat16), name="out")
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    # Rows that see no key hold finfo.min + log2(tiny) in both; the others a few units.
+    sees = ref_lse > -1e30
+    assert sees.sum() > lse.size // 2
+    np.testing.assert_array_equal(lse[~sees] < -1e30, True)
+    np.testing.assert_allclose(lse[sees], ref_lse[sees], rtol=1e-4, atol=1e-3)
+
+    dout = normal(rng, batch.q.shape, jnp.bfloat16)
+
+    def grads(impl):
+        def f(*operands):
+            return pk.masked_tail_attention(
+                *operands, **batch.kwargs(), **mask, implementation=impl
+            )
+
+        return jax.vjp(f, *operands)[1](dout)
+
+    for name, g, ref in zip(("dq", "dk", "dv"), grads("mosaic"), grads("triton"), strict=True):
+        assert_close(as_f32(g), as_f32(ref), rtol=tolerance_for(jnp.bfloat16), name=name)
+
+
 @pytest.mark.parametrize(
     "dtype, head_dim, num_q_heads, num_kv_heads",
     [(jnp.bfloat16, 128, 8, 2), (jnp.float16, 64, 4, 4)],

@@ -355,6 +355,40 @@ def _check_attention_gradients(impl, case, causal, window):
         _check_against_xla(grads, xla, names)
 
 
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 9)])
+def test_masked_tail_attention_backward_tiles(causal, window):
+    """The dK/dV kernel's row loop masks only the tiles on the band's edges and at kv_len:
+    with 16-key blocks and 8-token steps over 40- and 33-row sequences most tiles are
+    interior (unmasked) ones. Every tiling gives the xla path's gradients."""
+    rng = np.random.default_rng(11)
+    lengths, kv_lens, slots = (40, 0, 33), np.array([40, 0, 45], np.int32), (2, 0, 1)
+    qsl = query_start_loc(lengths)
+    num_tokens, cache_len = int(qsl[-1]) + 3, 48
+    slots = np.array(slots, np.int32)
+    q = normal(rng, (num_tokens, ATTN_HQ, ATTN_D))
+    shape = (ATTN_S, cache_len, ATTN_HKV, ATTN_D)
+    k = jnp.asarray(poison_tail(rng.normal(size=shape), slots, kv_lens))
+    v = jnp.asarray(poison_tail(rng.normal(size=shape), slots, kv_lens))
+    dout = normal(rng, q.shape)
+    batch = dict(query_start_loc=qsl, kv_lens=kv_lens, slot_ids=slots)
+    mask = dict(causal=causal, sliding_window=window, sm_scale=ATTN_D**-0.5)
+    out, lse = attn_triton.prefill_attention(
+        q, k, v, **batch, **mask, block_sizes=ATTN_CONFIG, interpret=True, with_lse=True
+    )
+    xla = _attn_grads("xla", q, k, v, batch, dout, causal=causal, sliding_window=window)
+    names = tuple(f"{n} ({causal=}, {window=})" for n in ("dq", "dk_cache", "dv_cache"))
+    for tiles in (
+        attn_triton.BackwardBlockSizes(
+            dq_block_q=8, dq_block_k=16, dkv_block_q=8, dkv_block_k=16, dkv_num_stages=1
+        ),
+        attn_triton.BackwardBlockSizes(dq_block_q=16, dq_block_k=32, dkv_block_q=16),
+    ):
+        grads = attn_triton.attention_backward(
+            q, k, v, out, lse, dout, **batch, **mask, block_sizes=tiles, interpret=True
+        )
+        _check_against_xla(grads, xla, tuple(f"{n} {tiles}" for n in names))
+
+
 def test_masked_tail_attention_triton_backward_runs_its_own_kernels():
     q, k, v, batch, _ = _attn_inputs(6, "prefill")
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
@@ -367,8 +401,9 @@ def test_masked_tail_attention_triton_backward_runs_its_own_kernels():
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v).jaxpr
     kernels = " ".join(pallas_call_names(jaxpr))
+    # dQ on the forward's tiles; dK/dV on 32-key blocks stepping 16 tokens (32 Q rows).
     assert "attention_bwd_dq_bq8_bk16_g2_d16" in kernels
-    assert "attention_bwd_dkv_bq8_bk16_g2_d16" in kernels
+    assert "attention_bwd_dkv_bq16_bk32_g2_d16" in kernels
     outside = primitives_outside_kernels(jaxpr)
     # The reference's logits, softmax and products (einsum, exp) run nowhere but in kernels.
     assert not outside & {"dot_general", "exp", "exp2"}, outside
@@ -494,6 +529,8 @@ def test_backward_kernels_lower_for_cuda():
         spec((T, Hq, D)),
     )
     assert "attention_bwd_dq" in text and "attention_bwd_dkv" in text
+    # Under differentiation the forward is the Mosaic kernel, saving its lse.
+    assert "mosaic_gpu" in text
 
 
 def test_vjp_errors_catches_a_wrong_gradient():
