@@ -78,7 +78,9 @@ def masked_tail_attention(
             visible &= key_pos[None, :] <= pos[:, None]
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
-        key_live = (key_pos < kv_len)[:, None, None]
+        # A padding sequence (slot -1) reads line 0 below: its keys are all dead, or its
+        # rows' gradient would be 0 · (line 0's tail), NaN where that holds NaN.
+        key_live = ((key_pos < kv_len) & (seq >= 0) & (slot >= 0))[:, None, None]
         if block_table is None:
             line = jnp.clip(slot, 0, num_slots - 1)
             k_seq, v_seq = k_cache[line], v_cache[line]  # [L, Hkv, D]

@@ -114,8 +114,8 @@ _MAX_Q_ROWS: Final = 128
 # Shared memory a block may use on Hopper (227 KiB), less room for Triton's scratch
 # (reductions, layout conversions): the heuristics keep their pipelines under it.
 _SMEM_BUDGET_BYTES: Final = 200 * 1024
-# Q and dO tile rows per step of the dK/dV kernel's row loop (query tokens × padded group).
-_DKV_Q_ROWS: Final = 32
+# Keys per dK/dV program at most (two of the forward's KV blocks at D = 128 bf16).
+_DKV_MAX_KEYS: Final = 128
 # Elements of one combine step's [splits, group, head dim] fp32 tile: 8 splits at
 # group 4, D = 128, i.e. 32 per thread at 4 warps.
 _COMBINE_TILE_ELEMS: Final = 4096
@@ -699,32 +699,38 @@ def _grad_block_sizes(block_sizes: BlockSizes, group: int) -> BlockSizes:
 
 
 def default_backward_block_sizes(
-    block_sizes: BlockSizes, *, group: int, page_size: int | None = None
+    block_sizes: BlockSizes, *, group: int, head_dim: int, dtype, page_size: int | None = None
 ) -> BackwardBlockSizes:
     """The backward's tiles for a forward tiled ``block_sizes``.
 
     dQ walks the forward's query blocks with the forward's tiles (at least 16 Q tile rows).
     dK/dV holds ``2 * block_k`` keys (at most 128, and a divisor of the page when paged)
-    and steps over the rows ``32 / padded group`` query tokens at a time (at least one),
-    i.e. Q and dO tiles of 32 rows, FlashAttention-2's Triton tiles on Hopper
-    (BLOCK_N1 = 128 keys, BLOCK_M1 = 32 rows); measured on an H200 (4 × 4096, Hq 32,
-    Hkv 8, D 128, bf16): see ``benchmarks/results/nvidia_h200_train.json``.
+    and steps over the rows with the same Q tiles, two stages deep (one if K, V and two
+    stages of Q and dO pass the shared-memory budget). Measured on an H200 (4 × 4096,
+    Hq 32, Hkv 8, D 128, bf16; whole backward): 128 keys × 128 rows 5.80 ms, 64 keys ×
+    128 rows (the forward's tiles) 11.6 ms, 128 keys with 4 warps 9.3 ms, 3 stages do not
+    fit. Q tiles of 32 or 64 rows at 8 warps (FlashAttention-2's Triton tiles) gave wrong
+    dK on the GPU (right in interpret mode and at 4 warps), so they are not used.
     """
     fwd = _grad_block_sizes(block_sizes, group)
-    bg = next_power_of_2(group)
-    dkv_block_k = min(2 * fwd.block_k, 128)
+    dkv_block_k = min(2 * fwd.block_k, _DKV_MAX_KEYS)
     if page_size is not None:
         dkv_block_k = min(dkv_block_k, page_size & -page_size)
-    return BackwardBlockSizes(
+    blocks = BackwardBlockSizes(
         dq_block_q=fwd.block_q,
         dq_block_k=fwd.block_k,
         dq_num_warps=fwd.num_warps,
         dq_num_stages=fwd.num_stages,
-        dkv_block_k=max(dkv_block_k, fwd.block_k),
-        dkv_block_q=max(_DKV_Q_ROWS // bg, 1, MIN_DOT_DIM // bg),
+        dkv_block_k=dkv_block_k,
+        dkv_block_q=fwd.block_q,
         dkv_num_warps=fwd.num_warps,
-        dkv_num_stages=fwd.num_stages,
+        dkv_num_stages=2,
     )
+    rows = fwd.block_q * next_power_of_2(group)
+    smem = (2 * dkv_block_k + 2 * 2 * rows) * block_dim(head_dim, MIN_DOT_DIM)
+    if smem * jnp.dtype(dtype).itemsize > _SMEM_BUDGET_BYTES:
+        blocks = dataclasses.replace(blocks, dkv_num_stages=1)
+    return blocks
 
 
 def check_backward_block_sizes(b: BackwardBlockSizes, *, group: int, page_size: int | None) -> None:
@@ -1204,7 +1210,11 @@ def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, prima
         q, k_cache, v_cache, out, lse, batch, mask = residuals
         page_size = None if batch["block_table"] is None else k_cache.shape[1]
         backward_blocks = default_backward_block_sizes(
-            block_sizes, group=q.shape[1] // k_cache.shape[2], page_size=page_size
+            block_sizes,
+            group=q.shape[1] // k_cache.shape[2],
+            head_dim=q.shape[2],
+            dtype=jnp.promote_types(q.dtype, k_cache.dtype),
+            page_size=page_size,
         )
         grads = attention_backward(
             q,
