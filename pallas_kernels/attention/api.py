@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.attention import kv_cache, mosaic, reference, triton
+from pallas_kernels.attention import kv_cache, mosaic, mosaic_backward, reference, triton
 from pallas_kernels.attention._layout import jit_attention
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 
@@ -59,9 +59,9 @@ def _triton_check_config(config: triton.BlockSizes, q, k_cache, *_, block_table=
 def _mosaic_attention(
     q, k_cache, v_cache, *, causal, sm_scale, sliding_window, config: mosaic.BlockSizes, **batch
 ) -> jax.Array:
-    """The Mosaic GPU kernel; its gradients run the Triton backward kernels (Pallas kernels
-    too; the Mosaic kernel has no backward of its own), from the logsumexp the Mosaic
-    kernel saves under differentiation."""
+    """The Mosaic GPU kernel. Its gradients, from the logsumexp it saves under
+    differentiation: dK and dV from the Mosaic dK/dV kernel (``mosaic_backward``), dQ from
+    the Triton backward's dQ kernel."""
     return jit_attention(
         triton.differentiable_attention,
         q,
@@ -75,6 +75,7 @@ def _mosaic_attention(
             block_sizes=_triton_default_config(q, k_cache, **batch),
             primal=mosaic.prefill_attention,
             primal_config=config,
+            dkv_lines=mosaic_backward.dkv_lines,
         ),
     )
 

@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import checked_slots
+from pallas_kernels._common import LOG2E, checked_slots
 from pallas_kernels.attention._layout import (
     band_operand,
     is_decode_shaped,
@@ -73,7 +73,6 @@ _PRODUCER_REGISTERS: Final = 40
 # keeps alpha = 2^(min - min) = 1 and p = 2^(-inf) = 0 instead of NaN.
 _MASK_MAX: Final = float(jnp.finfo(jnp.float32).min)
 _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
-_LOG2_E: Final = 1.4426950408889634  # log2(x) = ln(x) * log2(e)
 # 128-byte swizzle of 64-element (bf16) rows: the wgmma operand layout for K and V tiles.
 _SWIZZLE_BYTES: Final = 128
 _SUPPORTED_HEAD_DIMS: Final = (64, 128)
@@ -499,7 +498,7 @@ def _kernel(
                 # log2-sum-exp2 of the scaled logits (rows with no visible key: finfo.min
                 # + log2(tiny), finite), every row of the consumer's tile: the wrapper
                 # gathers the stored rows' entries.
-                lse_smem.at[c][...] = m + jnp.log(jnp.maximum(l, _TINY)) * _LOG2_E
+                lse_smem.at[c][...] = m + jnp.log(jnp.maximum(l, _TINY)) * LOG2E
             plgpu.commit_smem()
             if lse_ref is not None:
                 column = (item * _CONSUMERS + c) * block_q

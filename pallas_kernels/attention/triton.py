@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Final
 
 import jax
@@ -1051,6 +1052,7 @@ def attention_backward(
     sliding_window: int | jax.Array | None,
     block_sizes: BackwardBlockSizes,
     interpret: bool = False,
+    dkv_lines: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pallas backward kernels of :func:`prefill_attention` (``out`` and ``lse`` from its
     ``with_lse`` call, or any forward's with the same ``lse``): ``dout[T, Hq, D]`` ->
@@ -1060,7 +1062,11 @@ def attention_backward(
     Paged: the dk/dv kernel writes each sequence's gradient to its own line of a
     ``[B, max_blocks * page_size, Hkv, D]`` buffer, and a scatter-add puts the lines'
     pages into ``[num_blocks, page_size, Hkv, D]`` gradients (a page shared by several
-    sequences sums them; pages no sequence reads get 0)."""
+    sequences sums them; pages no sequence reads get 0).
+
+    ``dkv_lines``: another dK/dV kernel (the Mosaic backend's), called as
+    ``dkv_lines(q, k_cache, v_cache, dout, lse, delta, **batch, **mask)`` and returning
+    per-sequence lines (paged or not), which go to the cache layout the same way."""
     s = _AttentionShapes.of(q, k_cache, query_start_loc, block_table)
     b = block_sizes
     check_backward_block_sizes(b, group=s.group, page_size=s.page_size)
@@ -1130,6 +1136,24 @@ def attention_backward(
             lse,
             delta,
         )
+        if dkv_lines is not None:
+            dk, dv = dkv_lines(
+                q,
+                k_cache,
+                v_cache,
+                dout,
+                lse,
+                delta,
+                query_start_loc=query_start_loc,
+                kv_lens=kv_lens,
+                slot_ids=slot_ids,
+                block_table=block_table,
+                causal=causal,
+                sm_scale=sm_scale,
+                sliding_window=sliding_window,
+            )
+            to_cache = _lines_to_slots if s.page_size is None else _lines_to_pages
+            return dq, *(to_cache(g, s, plan) for g in (dk, dv))
         grad_shape = k_cache.shape
         if s.page_size is not None:  # per-sequence lines
             grad_shape = (s.num_seqs, s.cache_len, *k_cache.shape[2:])
@@ -1154,6 +1178,14 @@ def attention_backward(
     return dq, dk, dv
 
 
+def _lines_to_slots(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) -> jax.Array:
+    """Per-sequence gradient lines ``[B, L, Hkv, D]`` put into their slots'
+    ``[S, L, Hkv, D]`` (lines of padding sequences dropped; other slots 0)."""
+    index = jnp.where(plan.seq_slot >= 0, plan.seq_slot, s.num_slots)
+    out = jnp.zeros((s.num_slots, *grad.shape[1:]), grad.dtype)
+    return out.at[index].set(grad, mode="drop")
+
+
 def _lines_to_pages(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) -> jax.Array:
     """Per-sequence gradient lines ``[B, max_blocks * page_size, Hkv, D]`` added into the
     pages their sequence read, ``[num_blocks, page_size, Hkv, D]`` (the forward's clamped
@@ -1170,7 +1202,9 @@ def _lines_to_pages(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) ->
 
 
 @functools.cache
-def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, primal_config=None):
+def _differentiable(
+    block_sizes: BlockSizes, interpret: bool, primal=None, primal_config=None, dkv_lines=None
+):
     """The attention kernels with their Pallas backward kernels, for one config.
 
     Outside differentiation the forward is ``primal(q, k_cache, v_cache, **operands,
@@ -1227,6 +1261,7 @@ def _differentiable(block_sizes: BlockSizes, interpret: bool, primal=None, prima
             **mask,
             block_sizes=backward_blocks,
             interpret=interpret,
+            dkv_lines=dkv_lines,
         )
         # The batch layout and the mask operands are not differentiated.
         return (*grads, None, None)
@@ -1251,12 +1286,14 @@ def differentiable_attention(
     interpret: bool = False,
     primal=None,
     primal_config=None,
+    dkv_lines=None,
 ) -> jax.Array:
     """Attention differentiable through this module's Pallas backward kernels
     (:func:`attention_backward`); ``primal``/``primal_config``: another backend's forward
     kernel and its config, run in place of this module's (the Mosaic backend's use); under
     differentiation it is called with ``with_lse=True`` and must return ``(out, lse)``
-    as :func:`prefill_attention` does."""
+    as :func:`prefill_attention` does; ``dkv_lines``: its dK/dV kernel
+    (:func:`attention_backward`), None for this module's."""
     batch = dict(
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
@@ -1264,7 +1301,7 @@ def differentiable_attention(
         block_table=block_table,
     )
     mask = dict(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window)
-    attention = _differentiable(block_sizes, interpret, primal, primal_config)
+    attention = _differentiable(block_sizes, interpret, primal, primal_config, dkv_lines)
     return attention(q, k_cache, v_cache, batch, mask)
 
 

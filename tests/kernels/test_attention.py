@@ -1319,3 +1319,27 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_head
         spec((B,), jnp.int32),
     )
     assert "mosaic_gpu" in text
+
+    def gradients(q, k, v, qsl, kv_lens, slots, dout):
+        def f(q, k, v):
+            return api._mosaic_attention(
+                q,
+                k,
+                v,
+                query_start_loc=qsl,
+                kv_lens=kv_lens,
+                slot_ids=slots,
+                causal=True,
+                sm_scale=head_dim**-0.5,
+                sliding_window=None,
+                config=attention_mosaic.BlockSizes(),
+            )
+
+        return jax.vjp(f, q, k, v)[1](dout)
+
+    cache = spec((S, L, num_kv_heads, head_dim), dtype)
+    ints = spec((B,), jnp.int32)
+    q = spec((T, num_q_heads, head_dim), dtype)
+    text = lower_for_cuda(gradients, q, cache, cache, spec((B + 1,), jnp.int32), ints, ints, q)
+    # The forward saving lse and the dK/dV kernel are Mosaic kernels.
+    assert text.count("custom_call @mosaic_gpu") == 2

@@ -316,6 +316,43 @@ def test_paged_mosaic_kernel_matches_oracle(block_size):
         _check_attention("mosaic", batch, jnp.bfloat16, **options)
 
 
+@pytest.mark.skipif(not supports_mosaic(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("window", [None, 50])
+def test_paged_mosaic_gradients(window):
+    """Gradients through the Mosaic backend on a shuffled page pool (its dK/dV kernel reads
+    the pages through the block table; a shared prefix page gets both readers' sum) match
+    the xla path's fp32 gradients; pool entries nobody reads (NaN) get 0."""
+    case = PagedCase(
+        "mosaic",
+        (70, 9, 0, 40, 33),
+        (70, 200, 5, 40 + 128, 33 + 64),
+        max_blocks=5,
+        padding=(False, False, True, False, False),
+        pad_rows=8,
+    )
+    rng = np.random.default_rng(12)
+    batch = make_paged_batch(
+        rng, case, block_size=64, dtype=jnp.bfloat16, shared=(1, 3, 1), head_dim=128
+    )
+    dout = normal(rng, batch.q.shape, jnp.bfloat16)
+
+    def grads(impl, *operands):
+        def f(*operands):
+            return pk.masked_tail_attention(
+                *operands, **batch.kwargs(), sliding_window=window, implementation=impl
+            )
+
+        return jax.vjp(f, *operands)[1](dout.astype(operands[0].dtype))
+
+    operands = (batch.q, batch.k_pool, batch.v_pool)
+    ref = grads("xla", *(a.astype(jnp.float32) for a in operands))
+    unread = ~_read_pages(batch)
+    for name, g, r in zip(("dq", "dk", "dv"), grads("mosaic", *operands), ref, strict=True):
+        assert_close(as_f32(g), as_f32(r), rtol=tolerance_for(jnp.bfloat16), name=name)
+        if name != "dq":
+            np.testing.assert_array_equal(as_f32(g)[unread], 0.0, err_msg=name)
+
+
 # ---------------------------------------------------------------------------- gradients
 
 # Gradient error against the float64 finite differences (see test_gradients.py).
@@ -520,7 +557,8 @@ def test_paged_triton_kernels_lower_for_cuda(T, B):
 def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
     """The Mosaic GPU backend with the page read from the block table lowers for Hopper on
     any machine (it runs only on a Hopper GPU): the forward kernel, and its gradient (the
-    paged Triton backward kernels); the default tiles fit the page."""
+    Mosaic dK/dV kernel reading pages, the paged Triton dQ kernel); the default tiles fit
+    the page."""
     Hq, Hkv, D, T, B = 8, 2, 128, 512, 3
     args = _paged_specs(T, Hq, Hkv, D, 40, block_size, B, 1024 // block_size)
     q, k_pool, _, qsl, _, _, table = args
@@ -558,7 +596,8 @@ def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
 
     assert "mosaic_gpu" in lower_for_cuda(forward, *args)
     text = lower_for_cuda(backward, *args, q)
-    assert "attention_bwd_dkv_bq" in text and f"_paged{block_size}" in text
+    assert "attention_bwd_dq_bq" in text and f"_paged{block_size}" in text
+    assert text.count("custom_call @mosaic_gpu") == 2 and "attention_bwd_dkv" not in text
     with pytest.raises(ValueError, match="must divide the paged cache's block_size=64"):
         attention_mosaic.check_block_sizes(
             attention_mosaic.BlockSizes(block_k=128), num_q_heads=Hq, page_size=64

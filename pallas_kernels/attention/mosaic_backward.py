@@ -1,0 +1,354 @@
+"""dK and dV of masked-tail attention as a Pallas Mosaic GPU kernel (Hopper: wgmma, TMA).
+
+The Mosaic backend's backward: dQ runs the Triton kernel (``triton.attention_backward``),
+dK and dV this one, both from the ``lse`` the Mosaic forward saves. FlashAttention-2's
+dK/dV loop (Dao, arXiv 2307.08691, Algorithm 2) on FlashAttention-3's thread block (Shah
+et al., arXiv 2407.08608): a producer warpgroup streams the query rows that see a block of
+keys, as tiles of Q, dO and their ``lse`` and ``delta = rowsum(dO ∘ O)``, into a ring of
+shared-memory slots with TMA; two consumer warpgroups each hold ``_BLOCK_K`` keys and
+values in shared memory and their ``dK``, ``dV`` accumulators in fp32 registers, and per
+tile run four wgmma products::
+
+    Sᵀ  = K Qᵀ            Pᵀ  = 2^(Sᵀ · sm_scale · log2 e − lse)   (masked: 0)
+    dPᵀ = V dOᵀ           dSᵀ = Pᵀ ∘ (dPᵀ − delta)                 (masked: 0)
+    dV += Pᵀ dO           dK += dSᵀ Q                              (dK × sm_scale at the end)
+
+``Pᵀ`` and ``dSᵀ`` are the left operands of the last two as they leave the first two, in
+registers. A thread block owns ``_CONSUMERS * _BLOCK_K`` keys of one sequence and one KV
+head, and walks every query head of its GQA group over the rows whose band meets its keys
+(FlashAttention's GQA backward sums the group's heads the same way), so dK and dV come out
+summed over the group with no second pass.
+
+Layout and masking follow the forward (``mosaic.py``): Q tiles start at rows that are
+multiples of 8 (TMA reads tiled tiles only there), so a tile may hold rows of neighbouring
+sequences; a row outside the block's row range, a key at or past ``kv_len`` and a pair
+outside the band get ``Pᵀ = dSᵀ = 0`` by selection, so cache tails (NaN in tests) never
+reach a gradient. The kernel writes per-sequence gradient lines ``[B, L, Hkv, D]``, every
+line whole (zeros where nothing is read); the caller puts them into the cache layout.
+``lse`` and ``delta`` come in head-major ``[Hq, T]`` so a tile's entries are contiguous
+(one TMA copy each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention._layout import band_operand, scale_operand
+
+# Consumer warpgroups per thread block, each holding _BLOCK_K keys (the wgmma M dimension
+# of the dK and dV products).
+_CONSUMERS: Final = 2
+_BLOCK_K: Final = 64
+# Query rows per step (the N dimension of Sᵀ and dPᵀ, the K dimension of dV and dK).
+_BLOCK_Q: Final = 64
+_STAGES: Final = 2  # Q/dO/lse/delta slots in the ring
+# Register split of a 3-warpgroup block: the consumers hold two [64, D] fp32 accumulators
+# and two [64, 64] score tiles; the producer only issues copies.
+_CONSUMER_REGISTERS: Final = 232
+_PRODUCER_REGISTERS: Final = 40
+_SWIZZLE_BYTES: Final = 128
+_TMA_ROWS: Final = 8  # query tiles start at multiples of this row
+_KEYS_PER_BLOCK: Final = _CONSUMERS * _BLOCK_K
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernel's work, one entry per item (a sequence's ``_KEYS_PER_BLOCK`` keys) in
+    launch order, most query tiles first. All fields int32 ``[I]``; ``table`` is the
+    sequence's block table row ``[I, max_blocks]`` when paged."""
+
+    seq: jax.Array  # the item's sequence (its gradient line)
+    key0: jax.Array  # first key of the item
+    line: jax.Array  # cache line of the keys (contiguous: the slot, clamped)
+    kv_len: jax.Array  # keys of the sequence (0: nothing to do)
+    offset: jax.Array  # packed row r of the sequence sits at position r + offset
+    row_lo: jax.Array  # rows [row_lo, row_hi) see some key of the item
+    row_hi: jax.Array
+    row_base: jax.Array  # first row of the first Q tile: row_lo rounded down to 8
+    num_tiles: jax.Array  # Q tiles per query head (0: the gradient lines are zeros)
+    table: jax.Array | None = None
+
+
+def plan(
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    band: jax.Array,
+    *,
+    num_tokens: int,
+    num_slots: int,
+    cache_len: int,
+    block_table: jax.Array | None = None,
+) -> Plan:
+    """The kernel's :class:`Plan` (jittable): items ``(sequence b, key block j)``, the rows
+    ``start - right <= pos <= start + _KEYS_PER_BLOCK - 2 + left`` of each, sorted by work."""
+    num_seqs = slot_ids.shape[0]
+    key_blocks = pl.cdiv(cache_len, _KEYS_PER_BLOCK)
+    item = jnp.arange(num_seqs * key_blocks, dtype=jnp.int32)
+    seq, key0 = item // key_blocks, item % key_blocks * _KEYS_PER_BLOCK
+    qsl = jnp.clip(query_start_loc, 0, num_tokens).astype(jnp.int32)
+    seq_start, seq_end = qsl[:-1][seq], qsl[1:][seq]
+    q_len = (query_start_loc[1:] - query_start_loc[:-1])[seq]
+    offset = (kv_lens[seq] - q_len - query_start_loc[:-1][seq]).astype(jnp.int32)
+    slot = slot_ids[seq]
+    live = (slot >= 0) & (key0 < kv_lens[seq])
+    kv_len = jnp.where(live, jnp.clip(kv_lens[seq], 0, cache_len), 0)
+    left, right = band[0], band[1]
+    row_lo = jnp.clip(key0 - right - offset, seq_start, seq_end)
+    row_hi = jnp.clip(key0 + _KEYS_PER_BLOCK - 1 + left - offset, row_lo, seq_end)
+    row_base = row_lo - row_lo % _TMA_ROWS
+    num_tiles = jnp.where(live & (row_hi > row_lo), pl.cdiv(row_hi - row_base, _BLOCK_Q), 0)
+    item_plan = Plan(
+        seq=seq,
+        key0=key0,
+        line=jnp.clip(slot, 0, num_slots - 1) if block_table is None else seq,
+        kv_len=kv_len,
+        offset=offset,
+        row_lo=row_lo,
+        row_hi=row_hi,
+        row_base=row_base,
+        num_tiles=num_tiles,
+        table=None if block_table is None else block_table[seq],
+    )
+    order = jnp.argsort(-num_tiles, stable=True)
+    return jax.tree.map(lambda field: field.astype(jnp.int32)[order], item_plan)
+
+
+def _kernel(
+    plan: Plan,
+    scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
+    band_ref,  # [2] int32: (left, right)
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
+    do_ref,  # [T, Hq, D]
+    lse_ref,  # [Hq, T] fp32
+    delta_ref,  # [Hq, T] fp32
+    dk_ref,  # [B, L, Hkv, D]: per-sequence lines
+    dv_ref,  # like dk_ref
+    *,
+    group: int,
+):
+    head_dim = q_ref.shape[2]
+    dtype = q_ref.dtype
+    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
+    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+    f32 = jnp.float32
+
+    def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_full, v_full, *ring):
+        q_full, do_full, lse_full, delta_full, free = ring
+        item = lax.axis_index("item")
+        h = lax.axis_index("head")
+        wg = lax.axis_index("wg")
+        num_tiles = plan.num_tiles[item]
+        num_steps = num_tiles * group
+        row_base = plan.row_base[item]
+
+        def step_rows(s):
+            """(query head, first row) of step s: heads outer, tiles inner."""
+            g = lax.div(s, jnp.maximum(num_tiles, 1))
+            return h * group + g, row_base + (s - g * num_tiles) * _BLOCK_Q
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            def load(s, slot):
+                head, row0 = step_rows(s)
+                rows = pl.ds(row0, _BLOCK_Q)
+                plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_smem.at[slot], q_full.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_smem.at[slot], do_full.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    lse_ref.at[head, rows], lse_smem.at[slot], lse_full.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    delta_ref.at[head, rows], delta_smem.at[slot], delta_full.at[slot]
+                )
+
+            for i in range(_STAGES):  # the ring's first fill
+                pl.when(i < num_steps)(lambda i=i: load(i, i))
+
+            @pl.loop(_STAGES, num_steps)
+            def _steady(s):
+                slot = lax.rem(s, _STAGES)
+                plgpu.barrier_wait(free.at[slot])
+                load(s, slot)
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            c = wg
+            key0 = plan.key0[item] + c * _BLOCK_K
+            kv_len, offset = plan.kv_len[item], plan.offset[item]
+            row_lo, row_hi = plan.row_lo[item], plan.row_hi[item]
+            qk_scale, sm_scale = scale_ref[0], scale_ref[1]
+            left, right = band_ref[0], band_ref[1]
+            k_tile, v_tile = k_smem.at[c], v_smem.at[c]
+            if plan.table is None:
+                line, row = plan.line[item], key0
+            else:  # the page of the consumer's keys (block_k divides the page), clamped
+                page_size = k_ref.shape[1]
+                column = jnp.minimum(lax.div(key0, page_size), plan.table.shape[1] - 1)
+                page = plan.table[item, column]
+                line, row = jnp.clip(page, 0, k_ref.shape[0] - 1), lax.rem(key0, page_size)
+
+            @pl.when(num_steps > 0)
+            def _load_kv():
+                keys = pl.ds(row, _BLOCK_K)
+                plgpu.copy_gmem_to_smem(k_ref.at[line, keys, h], k_tile, k_full.at[c])
+                plgpu.copy_gmem_to_smem(v_ref.at[line, keys, h], v_tile, v_full.at[c])
+                plgpu.barrier_wait(k_full.at[c])
+                plgpu.barrier_wait(v_full.at[c])
+
+            shape = (_BLOCK_K, _BLOCK_Q)
+            key = key0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            column = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+
+            def step(s, carry):
+                dk, dv = carry
+                slot = lax.rem(s, _STAGES)
+                _, row0 = step_rows(s)
+                q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+                plgpu.barrier_wait(q_full.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, k_tile, q_tile.transpose((1, 0)))
+                    return acc_ref[...]
+
+                s_t = pl.run_scoped(scores, plgpu.ACC(shape, f32))
+                plgpu.barrier_wait(lse_full.at[slot])
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                row = row0 + column
+                pos = row + offset
+                visible = (row >= row_lo) & (row < row_hi) & (key < kv_len)
+                visible &= (key <= pos + right) & (key > pos - left)
+                p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, shape, [1]))
+                p_t = jnp.where(visible, p_t, 0.0)
+                plgpu.barrier_wait(do_full.at[slot])
+
+                def dv_and_dp(refs):
+                    # Both products in one block: one wgmma wait instead of two.
+                    dv_ref_, dp_ref = refs
+                    plgpu.wgmma(dv_ref_, p_t.astype(dtype), do_tile)
+                    plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+
+                zeros = plgpu.layout_cast(jnp.zeros(shape, f32), plgpu.Layout.WGMMA)
+                dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                plgpu.barrier_wait(delta_full.at[slot])
+                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                # Selected, not multiplied: a NaN value row (cache tail) makes dPᵀ NaN.
+                ds_t = jnp.where(visible, ds_t, 0.0)
+
+                def dk_product(acc_ref):
+                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_tile)
+
+                dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            zeros = plgpu.layout_cast(jnp.zeros((_BLOCK_K, head_dim), f32), plgpu.Layout.WGMMA)
+            dk, dv = lax.fori_loop(0, num_steps, step, (zeros, zeros))
+            # The key tiles are free now: they stage the gradients for the TMA stores.
+            k_tile[...] = (dk * sm_scale).astype(dtype)
+            v_tile[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            where = (plan.seq[item], pl.ds(key0, _BLOCK_K), h)
+            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[where])
+            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[where])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((_CONSUMERS, _BLOCK_K, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_CONSUMERS, _BLOCK_K, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_STAGES, _BLOCK_Q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_STAGES, _BLOCK_Q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_STAGES, _BLOCK_Q), jnp.float32),
+        plgpu.SMEM((_STAGES, _BLOCK_Q), jnp.float32),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=_STAGES),
+        plgpu.Barrier(num_barriers=_STAGES),
+        plgpu.Barrier(num_barriers=_STAGES),
+        plgpu.Barrier(num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+        collective_axes="wg",
+    )
+
+
+def dkv_lines(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
+    causal: bool | jax.Array,
+    sm_scale: float | jax.Array,
+    sliding_window: int | jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-sequence ``(dk, dv)`` lines ``[B, L, Hkv, D]`` (paged: ``L = max_blocks *
+    page_size``) from ``dout[T, Hq, D]``, ``lse[T, Hq]`` and ``delta[T, Hq]`` fp32; keys
+    no row sees are 0. The call must be one the Mosaic forward supports
+    (``mosaic.supports``)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    if block_table is not None:
+        cache_len *= block_table.shape[1]
+        block_table = block_table.astype(jnp.int32)
+    band = band_operand(causal, sliding_window)
+    item_plan = plan(
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        band,
+        num_tokens=num_tokens,
+        num_slots=num_slots,
+        cache_len=cache_len,
+        block_table=block_table,
+    )
+    num_seqs = slot_ids.shape[0]
+    # Lines as long as the items' key blocks: every TMA store lands inside.
+    line_len = pl.cdiv(cache_len, _KEYS_PER_BLOCK) * _KEYS_PER_BLOCK
+    line = jax.ShapeDtypeStruct((num_seqs, line_len, num_kv_heads, head_dim), k_cache.dtype)
+    scales = jnp.concatenate(
+        [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
+    )
+    kernel = plgpu.kernel(
+        lambda *refs: _kernel(*refs, group=num_q_heads // num_kv_heads),
+        out_type=(line, line),
+        # The last axis varies fastest: every KV head of the busiest items first.
+        grid=(pl.cdiv(cache_len, _KEYS_PER_BLOCK) * num_seqs, num_kv_heads),
+        grid_names=("item", "head"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+    )
+    dk, dv = kernel(
+        item_plan,
+        scales,
+        band,
+        q,
+        k_cache,
+        v_cache,
+        dout.astype(q.dtype),
+        lse.T,
+        delta.T,
+    )
+    return dk[:, :cache_len], dv[:, :cache_len]
