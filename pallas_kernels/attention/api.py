@@ -59,9 +59,8 @@ def _triton_check_config(config: triton.BlockSizes, q, k_cache, *_, block_table=
 def _mosaic_attention(
     q, k_cache, v_cache, *, causal, sm_scale, sliding_window, config: mosaic.BlockSizes, **batch
 ) -> jax.Array:
-    """The Mosaic GPU kernel. Its gradients, from the logsumexp it saves under
-    differentiation: dK and dV from the Mosaic dK/dV kernel (``mosaic_backward``), dQ from
-    the Triton backward's dQ kernel."""
+    """The Mosaic GPU kernel; its gradients run the Mosaic dQ and dK/dV kernels
+    (``mosaic_backward``) from the logsumexp it saves under differentiation."""
     return jit_attention(
         triton.differentiable_attention,
         q,
@@ -75,7 +74,8 @@ def _mosaic_attention(
             block_sizes=_triton_default_config(q, k_cache, **batch),
             primal=mosaic.prefill_attention,
             primal_config=config,
-            dkv_lines=mosaic_backward.dkv_lines,
+            dq_kernel=mosaic_backward.dq_gradient,
+            dkv_kernel=mosaic_backward.dkv_gradients,
         ),
     )
 

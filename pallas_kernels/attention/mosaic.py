@@ -310,6 +310,37 @@ def plan(
     return jax.tree.map(lambda field: field.astype(jnp.int32)[order], item_plan)
 
 
+def kv_block_address(plan: Plan, item, j, *, block_k: int, pool_shape) -> tuple:
+    """(cache line, first row) of the item's KV block ``j`` in the caches (``pool_shape``
+    their shape). Paged: block j's page (clamped into the pool: a bad table entry is a
+    caller bug, the copy stays in bounds) and its rows there; ``block_k`` divides the
+    page."""
+    if plan.table is None:
+        return jnp.maximum(plan.slot[item], 0), j * block_k
+    page_size = pool_shape[1]
+    key0 = j * block_k
+    page = plan.table[item, lax.div(key0, page_size)]
+    return jnp.clip(page, 0, pool_shape[0] - 1), lax.rem(key0, page_size)
+
+
+def store_rows(tile, out_ref, *, row0, first, live, head) -> None:
+    """TMA-stores rows ``[first, first + live)`` of a consumer's staged ``tile[block_q,
+    D]`` (committed) to ``out_ref[row0 + first:, head]`` and waits for the reads. TMA
+    boxes are static: the live rows go out as a sum of powers of two."""
+    start = first
+    size = tile.shape[0]
+    while size >= 1:
+        take = (live & size) != 0
+        plgpu.copy_smem_to_gmem(
+            tile.at[pl.ds(start, size)],
+            out_ref.at[pl.ds(row0 + start, size), head],
+            predicate=take,
+        )
+        start = start + jnp.where(take, size, 0)
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _kernel(
     plan: Plan,  # a Plan of int32 refs, [num_items] or [num_items, _CONSUMERS] each
     scale_ref,  # [1] fp32: sm_scale * log2(e)
@@ -343,18 +374,9 @@ def _kernel(
         kv_head = head // group
 
         kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
-        slot = jnp.maximum(plan.slot[item], 0)
 
         def kv_block(j):
-            """(cache line, first row) of KV block ``j``."""
-            if plan.table is None:
-                return slot, j * block_k
-            # Paged: block j's page (clamped into the pool: a bad table entry is a caller
-            # bug, the copy stays in bounds) and its rows there; block_k divides the page.
-            page_size = k_ref.shape[1]
-            key0 = j * block_k
-            page = plan.table[item, lax.div(key0, page_size)]
-            return jnp.clip(page, 0, k_ref.shape[0] - 1), lax.rem(key0, page_size)
+            return kv_block_address(plan, item, j, block_k=block_k, pool_shape=k_ref.shape)
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
@@ -503,19 +525,7 @@ def _kernel(
             if lse_ref is not None:
                 column = (item * _CONSUMERS + c) * block_q
                 plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[head, pl.ds(column, block_q)])
-            # TMA boxes are static: store the live rows as a sum of powers of two.
-            start = first
-            size = block_q
-            while size >= 1:
-                take = (live & size) != 0
-                plgpu.copy_smem_to_gmem(
-                    o_tile.at[pl.ds(start, size)],
-                    o_ref.at[pl.ds(row0 + start, size), head],
-                    predicate=take,
-                )
-                start = start + jnp.where(take, size, 0)
-                size //= 2
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_rows(o_tile, o_ref, row0=row0, first=first, live=live, head=head)
 
     pl.run_scoped(
         body,

@@ -32,6 +32,7 @@ line whole (zeros where nothing is read); the caller puts them into the cache la
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Final
 
 import jax
@@ -40,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import checked_slots
+from pallas_kernels.attention import mosaic
 from pallas_kernels.attention._layout import band_operand, scale_operand
 
 # Consumer warpgroups per thread block, each holding _BLOCK_K keys (the wgmma M dimension
@@ -61,19 +64,18 @@ _KEYS_PER_BLOCK: Final = _CONSUMERS * _BLOCK_K
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The kernel's work, one entry per item (a sequence's ``_KEYS_PER_BLOCK`` keys) in
-    launch order, most query tiles first. All fields int32 ``[I]``; ``table`` is the
-    sequence's block table row ``[I, max_blocks]`` when paged."""
+    """The kernel's work, one entry per item (``_KEYS_PER_BLOCK`` keys of one gradient
+    line) in launch order, most query tiles first. All fields int32 ``[I]``; ``table`` is
+    the sequence's block table row ``[I, max_blocks]`` when paged."""
 
-    seq: jax.Array  # the item's sequence (its gradient line)
+    line: jax.Array  # gradient line written (contiguous: the slot; paged: the sequence)
     key0: jax.Array  # first key of the item
-    line: jax.Array  # cache line of the keys (contiguous: the slot, clamped)
-    kv_len: jax.Array  # keys of the sequence (0: nothing to do)
+    kv_len: jax.Array  # keys of the line's sequence (0: none, the line is zeros)
     offset: jax.Array  # packed row r of the sequence sits at position r + offset
     row_lo: jax.Array  # rows [row_lo, row_hi) see some key of the item
     row_hi: jax.Array
     row_base: jax.Array  # first row of the first Q tile: row_lo rounded down to 8
-    num_tiles: jax.Array  # Q tiles per query head (0: the gradient lines are zeros)
+    num_tiles: jax.Array  # Q tiles per query head (0: the item's lines are zeros)
     table: jax.Array | None = None
 
 
@@ -88,18 +90,28 @@ def plan(
     cache_len: int,
     block_table: jax.Array | None = None,
 ) -> Plan:
-    """The kernel's :class:`Plan` (jittable): items ``(sequence b, key block j)``, the rows
-    ``start - right <= pos <= start + _KEYS_PER_BLOCK - 2 + left`` of each, sorted by work."""
+    """The kernel's :class:`Plan` (jittable): items ``(line, key block j)``, and the rows
+    ``start - right <= pos <= start + _KEYS_PER_BLOCK - 2 + left`` of the line's sequence
+    for each, sorted by work. Contiguous caches have a line per slot (the gradient of the
+    slot's sequence, zeros for a slot no sequence names), paged ones a line per sequence."""
     num_seqs = slot_ids.shape[0]
+    if block_table is None:
+        slot = checked_slots(slot_ids, num_slots)
+        seq_of_line = jnp.full((num_slots,), -1, jnp.int32)
+        seq_of_line = seq_of_line.at[jnp.where(slot >= 0, slot, num_slots)].set(
+            jnp.arange(num_seqs, dtype=jnp.int32), mode="drop"
+        )
+    else:
+        seq_of_line = jnp.where(slot_ids >= 0, jnp.arange(num_seqs, dtype=jnp.int32), -1)
     key_blocks = pl.cdiv(cache_len, _KEYS_PER_BLOCK)
-    item = jnp.arange(num_seqs * key_blocks, dtype=jnp.int32)
-    seq, key0 = item // key_blocks, item % key_blocks * _KEYS_PER_BLOCK
+    item = jnp.arange(seq_of_line.shape[0] * key_blocks, dtype=jnp.int32)
+    line, key0 = item // key_blocks, item % key_blocks * _KEYS_PER_BLOCK
+    seq = jnp.maximum(seq_of_line[line], 0)
     qsl = jnp.clip(query_start_loc, 0, num_tokens).astype(jnp.int32)
     seq_start, seq_end = qsl[:-1][seq], qsl[1:][seq]
     q_len = (query_start_loc[1:] - query_start_loc[:-1])[seq]
     offset = (kv_lens[seq] - q_len - query_start_loc[:-1][seq]).astype(jnp.int32)
-    slot = slot_ids[seq]
-    live = (slot >= 0) & (key0 < kv_lens[seq])
+    live = (seq_of_line[line] >= 0) & (key0 < kv_lens[seq])
     kv_len = jnp.where(live, jnp.clip(kv_lens[seq], 0, cache_len), 0)
     left, right = band[0], band[1]
     row_lo = jnp.clip(key0 - right - offset, seq_start, seq_end)
@@ -107,9 +119,8 @@ def plan(
     row_base = row_lo - row_lo % _TMA_ROWS
     num_tiles = jnp.where(live & (row_hi > row_lo), pl.cdiv(row_hi - row_base, _BLOCK_Q), 0)
     item_plan = Plan(
-        seq=seq,
+        line=line,
         key0=key0,
-        line=jnp.clip(slot, 0, num_slots - 1) if block_table is None else seq,
         kv_len=kv_len,
         offset=offset,
         row_lo=row_lo,
@@ -193,7 +204,7 @@ def _kernel(
             left, right = band_ref[0], band_ref[1]
             k_tile, v_tile = k_smem.at[c], v_smem.at[c]
             if plan.table is None:
-                line, row = plan.line[item], key0
+                line, row = plan.line[item], key0  # the slot's line
             else:  # the page of the consumer's keys (block_k divides the page), clamped
                 page_size = k_ref.shape[1]
                 column = jnp.minimum(lax.div(key0, page_size), plan.table.shape[1] - 1)
@@ -212,7 +223,7 @@ def _kernel(
             key = key0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
             column = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
 
-            def step(s, carry):
+            def step(s, carry, *, masked):
                 dk, dv = carry
                 slot = lax.rem(s, _STAGES)
                 _, row0 = step_rows(s)
@@ -226,12 +237,13 @@ def _kernel(
                 s_t = pl.run_scoped(scores, plgpu.ACC(shape, f32))
                 plgpu.barrier_wait(lse_full.at[slot])
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                row = row0 + column
-                pos = row + offset
-                visible = (row >= row_lo) & (row < row_hi) & (key < kv_len)
-                visible &= (key <= pos + right) & (key > pos - left)
                 p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, shape, [1]))
-                p_t = jnp.where(visible, p_t, 0.0)
+                if masked:
+                    row = row0 + column
+                    pos = row + offset
+                    visible = (row >= row_lo) & (row < row_hi) & (key < kv_len)
+                    visible &= (key <= pos + right) & (key > pos - left)
+                    p_t = jnp.where(visible, p_t, 0.0)
                 plgpu.barrier_wait(do_full.at[slot])
 
                 def dv_and_dp(refs):
@@ -245,8 +257,9 @@ def _kernel(
                 plgpu.barrier_wait(delta_full.at[slot])
                 delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-                # Selected, not multiplied: a NaN value row (cache tail) makes dPᵀ NaN.
-                ds_t = jnp.where(visible, ds_t, 0.0)
+                if masked:
+                    # Selected, not multiplied: a NaN value row (cache tail) makes dPᵀ NaN.
+                    ds_t = jnp.where(visible, ds_t, 0.0)
 
                 def dk_product(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_tile)
@@ -255,13 +268,31 @@ def _kernel(
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
+            # Tiles whose rows all see every key of this consumer (rows [full_lo, full_hi),
+            # keys below kv_len) need no mask: the interior of each head's tiles.
+            full_lo = jnp.maximum(row_lo, key0 + _BLOCK_K - 1 - right - offset)
+            full_hi = jnp.minimum(row_hi, key0 + left - offset)
+            full_hi = jnp.where(key0 + _BLOCK_K <= kv_len, full_hi, full_lo)
+            # (full_lo >= row_base; a negative full_hi - row_base truncates to 0 = mid_lo.)
+            mid_lo = jnp.minimum(lax.div(full_lo - row_base + _BLOCK_Q - 1, _BLOCK_Q), num_tiles)
+            mid_hi = jnp.clip(lax.div(full_hi - row_base, _BLOCK_Q), mid_lo, num_tiles)
+            masked_step = functools.partial(step, masked=True)
+
+            def head(g, carry):  # steps [g * num_tiles, (g + 1) * num_tiles)
+                first = g * num_tiles
+                carry = lax.fori_loop(first, first + mid_lo, masked_step, carry)
+                carry = lax.fori_loop(
+                    first + mid_lo, first + mid_hi, functools.partial(step, masked=False), carry
+                )
+                return lax.fori_loop(first + mid_hi, first + num_tiles, masked_step, carry)
+
             zeros = plgpu.layout_cast(jnp.zeros((_BLOCK_K, head_dim), f32), plgpu.Layout.WGMMA)
-            dk, dv = lax.fori_loop(0, num_steps, step, (zeros, zeros))
+            dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
             # The key tiles are free now: they stage the gradients for the TMA stores.
             k_tile[...] = (dk * sm_scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            where = (plan.seq[item], pl.ds(key0, _BLOCK_K), h)
+            where = (plan.line[item], pl.ds(key0, _BLOCK_K), h)
             plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[where])
             plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[where])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -285,7 +316,7 @@ def _kernel(
     )
 
 
-def dkv_lines(
+def dkv_gradients(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -301,14 +332,17 @@ def dkv_lines(
     sm_scale: float | jax.Array,
     sliding_window: int | jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-sequence ``(dk, dv)`` lines ``[B, L, Hkv, D]`` (paged: ``L = max_blocks *
-    page_size``) from ``dout[T, Hq, D]``, ``lse[T, Hq]`` and ``delta[T, Hq]`` fp32; keys
-    no row sees are 0. The call must be one the Mosaic forward supports
+    """``(dk, dv)`` from ``dout[T, Hq, D]``, ``lse[T, Hq]`` and ``delta[T, Hq]`` fp32:
+    contiguous, ``[S, L, Hkv, D]`` like the caches; paged, per-sequence lines
+    ``[B, max_blocks * page_size, Hkv, D]`` (the Triton dK/dV kernel's layouts). Keys no
+    row sees get 0. The call must be one the Mosaic forward supports
     (``mosaic.supports``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    num_lines = num_slots
     if block_table is not None:
         cache_len *= block_table.shape[1]
+        num_lines = slot_ids.shape[0]
         block_table = block_table.astype(jnp.int32)
     band = band_operand(causal, sliding_window)
     item_plan = plan(
@@ -321,10 +355,10 @@ def dkv_lines(
         cache_len=cache_len,
         block_table=block_table,
     )
-    num_seqs = slot_ids.shape[0]
     # Lines as long as the items' key blocks: every TMA store lands inside.
-    line_len = pl.cdiv(cache_len, _KEYS_PER_BLOCK) * _KEYS_PER_BLOCK
-    line = jax.ShapeDtypeStruct((num_seqs, line_len, num_kv_heads, head_dim), k_cache.dtype)
+    key_blocks = pl.cdiv(cache_len, _KEYS_PER_BLOCK)
+    line_shape = (num_lines, key_blocks * _KEYS_PER_BLOCK, num_kv_heads, head_dim)
+    line = jax.ShapeDtypeStruct(line_shape, k_cache.dtype)
     scales = jnp.concatenate(
         [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
     )
@@ -332,7 +366,7 @@ def dkv_lines(
         lambda *refs: _kernel(*refs, group=num_q_heads // num_kv_heads),
         out_type=(line, line),
         # The last axis varies fastest: every KV head of the busiest items first.
-        grid=(pl.cdiv(cache_len, _KEYS_PER_BLOCK) * num_seqs, num_kv_heads),
+        grid=(key_blocks * num_lines, num_kv_heads),
         grid_names=("item", "head"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
@@ -351,4 +385,249 @@ def dkv_lines(
         lse.T,
         delta.T,
     )
-    return dk[:, :cache_len], dv[:, :cache_len]
+    if line_shape[1] != cache_len:
+        dk, dv = dk[:, :cache_len], dv[:, :cache_len]
+    return dk, dv
+
+
+# ----------------------------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    plan: mosaic.Plan,  # the forward's plan, built with block_q = _BLOCK_Q, block_k = _BLOCK_K
+    scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
+    band_ref,  # [2] int32: (left, right)
+    q_ref,  # [T, Hq, D]
+    k_ref,  # [S, L, Hkv, D] (paged: [num_blocks, page_size, Hkv, D])
+    v_ref,  # like k_ref
+    do_ref,  # [T, Hq, D]
+    lse_ref,  # [Hq, T] fp32
+    delta_ref,  # [Hq, T] fp32
+    dq_ref,  # [T, Hq, D]
+    *,
+    group: int,
+):
+    head_dim = q_ref.shape[2]
+    dtype = q_ref.dtype
+    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
+    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+    f32 = jnp.float32
+
+    def body(q_smem, do_smem, dq_smem, lse_smem, delta_smem, k_smem, v_smem, *barriers):
+        q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free = barriers
+        item = lax.axis_index("item")
+        head = lax.axis_index("head")
+        wg = lax.axis_index("wg")
+        kv_head = head // group
+        kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
+
+        def kv_block(j):
+            return mosaic.kv_block_address(plan, item, j, block_k=_BLOCK_K, pool_shape=k_ref.shape)
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            def load(block, slot):
+                line, row = block
+                for ref, smem, full in ((k_ref, k_smem, k_full), (v_ref, v_smem, v_full)):
+                    src = ref.at[line, pl.ds(row, _BLOCK_K), kv_head]
+                    plgpu.copy_gmem_to_smem(src, smem.at[slot], full.at[slot])
+
+            for i in range(_STAGES):
+                pl.when(kv_lo + i < kv_hi)(lambda i=i: load(kv_block(kv_lo + i), i))
+
+            @pl.loop(kv_lo + _STAGES, kv_hi)
+            def _steady(j):
+                slot = lax.rem(j - kv_lo, _STAGES)
+                block = kv_block(j)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                load(block, slot)
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            c = wg
+
+            def own(field):  # this consumer's entry of an [I, C] field
+                return jnp.where(c == 0, field[item, 0], field[item, 1])
+
+            row0 = plan.row0[item] + c * _BLOCK_Q
+            first, live = own(plan.first), own(plan.live)
+            kv_len = plan.kv_len[item]
+            pos0 = plan.pos0[item] + c * _BLOCK_Q
+            lo_blk, mid_lo = own(plan.lo_blk), own(plan.mid_lo)
+            mid_hi, hi_blk = own(plan.mid_hi), own(plan.hi_blk)
+            q_tile, do_tile = q_smem.at[c], do_smem.at[c]
+            left, right = band_ref[0], band_ref[1]
+            qk_scale, sm_scale = scale_ref[0], scale_ref[1]
+            rows = pl.ds(row0, _BLOCK_Q)
+
+            @pl.when((plan.slot[item] >= 0) & (lo_blk < hi_blk))
+            def _load_rows():
+                plgpu.copy_gmem_to_smem(q_ref.at[rows, head], q_tile, q_full.at[c])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows, head], do_tile, do_full.at[c])
+                plgpu.copy_gmem_to_smem(lse_ref.at[head, rows], lse_smem.at[c], lse_full.at[c])
+                plgpu.copy_gmem_to_smem(
+                    delta_ref.at[head, rows], delta_smem.at[c], delta_full.at[c]
+                )
+                for full in (q_full, do_full, lse_full, delta_full):
+                    plgpu.barrier_wait(full.at[c])
+
+            lse = plgpu.load(lse_smem.at[c], layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(delta_smem.at[c], layout=plgpu.Layout.WGMMA.reduce(1))
+            shape = (_BLOCK_Q, _BLOCK_K)
+
+            def release(j, carry):
+                slot = lax.rem(j - kv_lo, _STAGES)
+                plgpu.barrier_wait(k_full.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                return carry
+
+            def step(j, dq, *, masked):
+                slot = lax.rem(j - kv_lo, _STAGES)
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+                plgpu.barrier_wait(k_full.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC(shape, f32))
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, shape, [0]))
+                if masked:
+                    pos = pos0 + plgpu.broadcasted_iota(
+                        jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA
+                    )
+                    key = j * _BLOCK_K + plgpu.broadcasted_iota(
+                        jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
+                    )
+                    visible = (key < kv_len) & (key <= pos + right) & (key > pos - left)
+                    p = jnp.where(visible, p, 0.0)
+                plgpu.barrier_wait(v_full.at[slot])
+
+                def dp_product(acc_ref):
+                    plgpu.wgmma(acc_ref, do_tile, v_tile.transpose((1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dp_product, plgpu.ACC(shape, f32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+                if masked:
+                    # Selected, not multiplied (a NaN value row makes dP NaN); key rows at
+                    # or past kv_len hold the cache tail (NaN in tests) and 0 · NaN is NaN
+                    # inside the product: both consumers zero them (the same zeros).
+                    ds = jnp.where(visible, ds, 0.0)
+
+                    @pl.when((j + 1) * _BLOCK_K > kv_len)
+                    def _zero_tail():
+                        k = plgpu.load(k_tile, layout=plgpu.Layout.WGMMA)
+                        key_row = j * _BLOCK_K + plgpu.broadcasted_iota(
+                            jnp.int32, k.shape, 0, layout=plgpu.Layout.WGMMA
+                        )
+                        k_tile[...] = jnp.where(key_row < kv_len, k, jnp.zeros_like(k))
+                        plgpu.commit_smem()
+
+                def dq_product(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_tile)
+
+                dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            dq = plgpu.layout_cast(jnp.zeros((_BLOCK_Q, head_dim), f32), plgpu.Layout.WGMMA)
+            lax.fori_loop(kv_lo, lo_blk, release, None)
+            dq = lax.fori_loop(lo_blk, mid_lo, functools.partial(step, masked=True), dq)
+            dq = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), dq)
+            dq = lax.fori_loop(mid_hi, hi_blk, functools.partial(step, masked=True), dq)
+            lax.fori_loop(hi_blk, kv_hi, release, None)
+            # Stored: the rows this consumer owns (zeros for rows with no visible key and
+            # for items with nothing to do), from an untiled tile (the stores of a few rows
+            # start at any row).
+            dq_tile = dq_smem.at[c]
+            dq_tile[...] = (dq * sm_scale).astype(dtype)
+            plgpu.commit_smem()
+            mosaic.store_rows(dq_tile, dq_ref, row0=row0, first=first, live=live, head=head)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((_CONSUMERS, _BLOCK_Q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_CONSUMERS, _BLOCK_Q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_CONSUMERS, _BLOCK_Q, head_dim), dtype),
+        plgpu.SMEM((_CONSUMERS, _BLOCK_Q), jnp.float32),
+        plgpu.SMEM((_CONSUMERS, _BLOCK_Q), jnp.float32),
+        plgpu.SMEM((_STAGES, _BLOCK_K, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((_STAGES, _BLOCK_K, head_dim), dtype, transforms=tiles),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=_STAGES),
+        plgpu.Barrier(num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+        collective_axes="wg",
+    )
+
+
+def dq_gradient(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    kv_lens: jax.Array,
+    slot_ids: jax.Array,
+    block_table: jax.Array | None = None,
+    causal: bool | jax.Array,
+    sm_scale: float | jax.Array,
+    sliding_window: int | jax.Array | None,
+) -> jax.Array:
+    """``dq[T, Hq, D]`` from ``dout[T, Hq, D]``, ``lse[T, Hq]`` and ``delta[T, Hq]`` fp32,
+    on the forward's items (:func:`mosaic.plan`): each consumer holds its 64 query rows'
+    Q, dO, lse and delta and walks the forward's KV blocks, ``dQ += dS K`` with ``P`` and
+    ``dS`` recomputed. Rows of padding sequences and past the sequences get 0. The call
+    must be one the Mosaic forward supports (``mosaic.supports``)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
+    if block_table is not None:
+        cache_len *= block_table.shape[1]
+        block_table = block_table.astype(jnp.int32)
+    band = band_operand(causal, sliding_window)
+    item_plan = mosaic.plan(
+        query_start_loc,
+        kv_lens,
+        slot_ids,
+        band,
+        num_tokens=num_tokens,
+        num_slots=num_slots,
+        cache_len=cache_len,
+        block_q=_BLOCK_Q,
+        block_k=_BLOCK_K,
+        block_table=block_table,
+    )
+    scales = jnp.concatenate(
+        [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
+    )
+    kernel = plgpu.kernel(
+        lambda *refs: _dq_kernel(*refs, group=num_q_heads // num_kv_heads),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        # The last axis varies fastest: the heads of an item (those sharing a KV head
+        # adjacent) side by side, items longest first.
+        grid=(item_plan.num_items, num_q_heads),
+        grid_names=("item", "head"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+    )
+    return kernel(
+        item_plan, scales, band, q, k_cache, v_cache, dout.astype(q.dtype), lse.T, delta.T
+    )

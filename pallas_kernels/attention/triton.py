@@ -1052,7 +1052,8 @@ def attention_backward(
     sliding_window: int | jax.Array | None,
     block_sizes: BackwardBlockSizes,
     interpret: bool = False,
-    dkv_lines: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
+    dq_kernel: Callable[..., jax.Array] | None = None,
+    dkv_kernel: Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pallas backward kernels of :func:`prefill_attention` (``out`` and ``lse`` from its
     ``with_lse`` call, or any forward's with the same ``lse``): ``dout[T, Hq, D]`` ->
@@ -1064,9 +1065,10 @@ def attention_backward(
     pages into ``[num_blocks, page_size, Hkv, D]`` gradients (a page shared by several
     sequences sums them; pages no sequence reads get 0).
 
-    ``dkv_lines``: another dK/dV kernel (the Mosaic backend's), called as
-    ``dkv_lines(q, k_cache, v_cache, dout, lse, delta, **batch, **mask)`` and returning
-    per-sequence lines (paged or not), which go to the cache layout the same way."""
+    ``dq_kernel``, ``dkv_kernel``: other dQ and dK/dV kernels (the Mosaic backend's),
+    called as ``kernel(q, k_cache, v_cache, dout, lse, delta, **batch, **mask)``; dK/dV
+    returns gradients in this module's dK/dV kernel's layout (paged: per-sequence
+    lines)."""
     s = _AttentionShapes.of(q, k_cache, query_start_loc, block_table)
     b = block_sizes
     check_backward_block_sizes(b, group=s.group, page_size=s.page_size)
@@ -1096,30 +1098,45 @@ def attention_backward(
             compute_dtype=jnp.promote_types(q.dtype, k_cache.dtype),
         )
         shape = f"g{s.group}_d{s.head_dim}{_paged_suffix(s)}"
-        dq = pl.pallas_call(
-            functools.partial(_dq_kernel, block_q=b.dq_block_q, block_k=b.dq_block_k, **static),
-            grid=(s.num_kv_heads, plan.max_q_blocks),
-            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-            compiler_params=compiler_params(num_warps=b.dq_num_warps, num_stages=b.dq_num_stages),
-            interpret=interpret,
-            name=f"attention_bwd_dq_bq{b.dq_block_q}_bk{b.dq_block_k}_{shape}",
-        )(
-            plan.prog_seq,
-            plan.prog_row,
-            plan.seq_end,
-            plan.seq_offset,
-            plan.seq_kv_len,
-            plan.seq_slot,
-            plan.table,
-            scales,
-            plan.band,
-            q,
-            k_cache,
-            v_cache,
-            dout,
-            lse,
-            delta,
+        kernel_args = (q, k_cache, v_cache, dout, lse, delta)
+        kernel_kwargs = dict(
+            query_start_loc=query_start_loc,
+            kv_lens=kv_lens,
+            slot_ids=slot_ids,
+            block_table=block_table,
+            causal=causal,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
         )
+        if dq_kernel is not None:
+            dq = dq_kernel(*kernel_args, **kernel_kwargs)
+        else:
+            dq = pl.pallas_call(
+                functools.partial(_dq_kernel, block_q=b.dq_block_q, block_k=b.dq_block_k, **static),
+                grid=(s.num_kv_heads, plan.max_q_blocks),
+                out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                compiler_params=compiler_params(
+                    num_warps=b.dq_num_warps, num_stages=b.dq_num_stages
+                ),
+                interpret=interpret,
+                name=f"attention_bwd_dq_bq{b.dq_block_q}_bk{b.dq_block_k}_{shape}",
+            )(
+                plan.prog_seq,
+                plan.prog_row,
+                plan.seq_end,
+                plan.seq_offset,
+                plan.seq_kv_len,
+                plan.seq_slot,
+                plan.table,
+                scales,
+                plan.band,
+                q,
+                k_cache,
+                v_cache,
+                dout,
+                lse,
+                delta,
+            )
         dkv_args = (
             seq_start,
             plan.seq_end,
@@ -1136,54 +1153,35 @@ def attention_backward(
             lse,
             delta,
         )
-        if dkv_lines is not None:
-            dk, dv = dkv_lines(
-                q,
-                k_cache,
-                v_cache,
-                dout,
-                lse,
-                delta,
-                query_start_loc=query_start_loc,
-                kv_lens=kv_lens,
-                slot_ids=slot_ids,
-                block_table=block_table,
-                causal=causal,
-                sm_scale=sm_scale,
-                sliding_window=sliding_window,
+        if dkv_kernel is not None:
+            dk, dv = dkv_kernel(*kernel_args, **kernel_kwargs)
+        else:
+            grad_shape = k_cache.shape
+            if s.page_size is not None:  # per-sequence lines
+                grad_shape = (s.num_seqs, s.cache_len, *k_cache.shape[2:])
+            dk, dv = pl.pallas_call(
+                functools.partial(
+                    _dkv_kernel, block_q=b.dkv_block_q, block_k=b.dkv_block_k, **static
+                ),
+                grid=(s.num_kv_heads, s.num_seqs, pl.cdiv(s.cache_len, b.dkv_block_k)),
+                out_shape=(
+                    jax.ShapeDtypeStruct(grad_shape, k_cache.dtype),
+                    jax.ShapeDtypeStruct(grad_shape, v_cache.dtype),
+                ),
+                input_output_aliases={len(dkv_args): 0, len(dkv_args) + 1: 1},
+                compiler_params=compiler_params(
+                    num_warps=b.dkv_num_warps, num_stages=b.dkv_num_stages
+                ),
+                interpret=interpret,
+                name=f"attention_bwd_dkv_bq{b.dkv_block_q}_bk{b.dkv_block_k}_{shape}",
+            )(
+                *dkv_args,
+                jnp.zeros(grad_shape, k_cache.dtype),
+                jnp.zeros(grad_shape, v_cache.dtype),
             )
-            to_cache = _lines_to_slots if s.page_size is None else _lines_to_pages
-            return dq, *(to_cache(g, s, plan) for g in (dk, dv))
-        grad_shape = k_cache.shape
-        if s.page_size is not None:  # per-sequence lines
-            grad_shape = (s.num_seqs, s.cache_len, *k_cache.shape[2:])
-        dk, dv = pl.pallas_call(
-            functools.partial(_dkv_kernel, block_q=b.dkv_block_q, block_k=b.dkv_block_k, **static),
-            grid=(s.num_kv_heads, s.num_seqs, pl.cdiv(s.cache_len, b.dkv_block_k)),
-            out_shape=(
-                jax.ShapeDtypeStruct(grad_shape, k_cache.dtype),
-                jax.ShapeDtypeStruct(grad_shape, v_cache.dtype),
-            ),
-            input_output_aliases={len(dkv_args): 0, len(dkv_args) + 1: 1},
-            compiler_params=compiler_params(num_warps=b.dkv_num_warps, num_stages=b.dkv_num_stages),
-            interpret=interpret,
-            name=f"attention_bwd_dkv_bq{b.dkv_block_q}_bk{b.dkv_block_k}_{shape}",
-        )(
-            *dkv_args,
-            jnp.zeros(grad_shape, k_cache.dtype),
-            jnp.zeros(grad_shape, v_cache.dtype),
-        )
         if s.page_size is not None:
             dk, dv = (_lines_to_pages(g, s, plan) for g in (dk, dv))
     return dq, dk, dv
-
-
-def _lines_to_slots(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) -> jax.Array:
-    """Per-sequence gradient lines ``[B, L, Hkv, D]`` put into their slots'
-    ``[S, L, Hkv, D]`` (lines of padding sequences dropped; other slots 0)."""
-    index = jnp.where(plan.seq_slot >= 0, plan.seq_slot, s.num_slots)
-    out = jnp.zeros((s.num_slots, *grad.shape[1:]), grad.dtype)
-    return out.at[index].set(grad, mode="drop")
 
 
 def _lines_to_pages(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) -> jax.Array:
@@ -1203,7 +1201,12 @@ def _lines_to_pages(grad: jax.Array, s: _AttentionShapes, plan: _PrefillPlan) ->
 
 @functools.cache
 def _differentiable(
-    block_sizes: BlockSizes, interpret: bool, primal=None, primal_config=None, dkv_lines=None
+    block_sizes: BlockSizes,
+    interpret: bool,
+    primal=None,
+    primal_config=None,
+    dq_kernel=None,
+    dkv_kernel=None,
 ):
     """The attention kernels with their Pallas backward kernels, for one config.
 
@@ -1261,7 +1264,8 @@ def _differentiable(
             **mask,
             block_sizes=backward_blocks,
             interpret=interpret,
-            dkv_lines=dkv_lines,
+            dq_kernel=dq_kernel,
+            dkv_kernel=dkv_kernel,
         )
         # The batch layout and the mask operands are not differentiated.
         return (*grads, None, None)
@@ -1286,14 +1290,15 @@ def differentiable_attention(
     interpret: bool = False,
     primal=None,
     primal_config=None,
-    dkv_lines=None,
+    dq_kernel=None,
+    dkv_kernel=None,
 ) -> jax.Array:
     """Attention differentiable through this module's Pallas backward kernels
     (:func:`attention_backward`); ``primal``/``primal_config``: another backend's forward
     kernel and its config, run in place of this module's (the Mosaic backend's use); under
     differentiation it is called with ``with_lse=True`` and must return ``(out, lse)``
-    as :func:`prefill_attention` does; ``dkv_lines``: its dK/dV kernel
-    (:func:`attention_backward`), None for this module's."""
+    as :func:`prefill_attention` does; ``dq_kernel``, ``dkv_kernel``: its backward
+    kernels (:func:`attention_backward`), None for this module's."""
     batch = dict(
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
@@ -1301,7 +1306,9 @@ def differentiable_attention(
         block_table=block_table,
     )
     mask = dict(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window)
-    attention = _differentiable(block_sizes, interpret, primal, primal_config, dkv_lines)
+    attention = _differentiable(
+        block_sizes, interpret, primal, primal_config, dq_kernel, dkv_kernel
+    )
     return attention(q, k_cache, v_cache, batch, mask)
 
 

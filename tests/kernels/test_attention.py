@@ -1341,5 +1341,5 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_head
     ints = spec((B,), jnp.int32)
     q = spec((T, num_q_heads, head_dim), dtype)
     text = lower_for_cuda(gradients, q, cache, cache, spec((B + 1,), jnp.int32), ints, ints, q)
-    # The forward saving lse and the dK/dV kernel are Mosaic kernels.
-    assert text.count("custom_call @mosaic_gpu") == 2
+    # The forward saving lse, dQ and dK/dV are Mosaic kernels.
+    assert text.count("custom_call @mosaic_gpu") == 3
