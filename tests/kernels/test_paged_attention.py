@@ -595,7 +595,7 @@ def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
 
     assert "mosaic_gpu" in lower_for_cuda(forward, *args)
     text = lower_for_cuda(backward, *args, q)
-    assert text.count("custom_call @mosaic_gpu") == 3 and "attention_bwd" not in text
+    assert text.count("custom_call @mosaic_gpu") == 3 and "attention_bwd_dq_bq" not in text
     with pytest.raises(ValueError, match="must divide the paged cache's block_size=64"):
         attention_mosaic.check_block_sizes(
             attention_mosaic.BlockSizes(block_k=128), num_q_heads=Hq, page_size=64
