@@ -1,11 +1,14 @@
 """Decode SSM step as a Pallas kernel lowered through Triton.
 
-One program per (row, head, head-dim block): gather the row's state tile from its cache
-slot, advance it one token (``s ← exp(dt' A) s + dt' x ⊗ B``), write it back in place
-(the cache is aliased input → output), and reduce ``y = s · C + D x`` with the z gate.
-dt and A are scalars per head (Mamba2), so the decay is one ``exp`` per program. Rows whose
-slot is ``-1`` read and write nothing and produce zeros. Memory-bound: each named state is
-read once and written once, fp32 or bf16, with fp32 arithmetic.
+One program per (row, block of heads, head-dim block): for each of its heads, gather the
+row's state tile from its cache slot, advance it one token (``s ← exp(dt' A) s + dt' x ⊗
+B``), write it back in place (the cache is aliased input → output), and reduce ``y = s · C
++ D x`` with the z gate. dt and A are scalars per head (Mamba2), so the decay is one
+``exp`` per head. The heads of a program are a software-pipelined loop (the next head's
+state loads while this one's is reduced and stored), which keeps more bytes in flight per
+SM than one head per program. Rows whose slot is ``-1`` read and write nothing and produce
+zeros. Memory-bound: each named state is read once and written once, fp32 or bf16, with
+fp32 arithmetic.
 """
 
 from __future__ import annotations
@@ -27,22 +30,44 @@ class BlockSizes:
     """Tiling of the state-update kernel."""
 
     block_p: int = 32  # head-dim rows of the state tile per program
+    block_h: int = 1  # heads per program, a pipelined loop (a power of two)
     num_warps: int = 4  # warps per program
+    num_stages: int = 1  # software-pipelining depth of the loop over heads
 
     def __post_init__(self):
-        if self.block_p < 1 or self.block_p & (self.block_p - 1):
-            raise ValueError(f"block_p={self.block_p} must be a power of two")
-        if self.num_warps < 1:
-            raise ValueError(f"num_warps={self.num_warps} must be >= 1")
+        for name in ("block_p", "block_h"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two")
+        for name in ("num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
-def default_block_sizes(head_dim: int, state_dim: int) -> BlockSizes:
+# Programs per launch below which heads are not grouped: 4 per SM of an H200 (132 SMs).
+_MIN_PROGRAMS = 512
+# Heads per program at most (measured best on the H200, below).
+_MAX_BLOCK_H = 16
+
+
+def default_block_sizes(
+    head_dim: int, state_dim: int, *, rows: int = 1, num_heads: int = 1
+) -> BlockSizes:
     """Heuristic: tiles of up to 8k elements with 8 warps (32 fp32 registers per thread),
-    a whole head of Mamba2's 64 × 128 states per program. On the H200 (64 and 256 rows, H
-    128, P 64, N 128, fp32 states) that reached 85-86% of the copy rate with the state
-    loads kept in L2 for their write-back, against 82% for 4k tiles with 4 warps."""
+    a whole head of Mamba2's 64 × 128 states per program; that reached 85-86% of the copy
+    rate on the H200 (64 and 256 rows, H 128, P 64, N 128, fp32 states) with the state
+    loads kept in L2 for their write-back, against 82% for 4k tiles with 4 warps. With
+    many rows, up to 16 heads per program in a 2-stage loop at 16 warps, as long as the
+    launch keeps ``_MIN_PROGRAMS`` programs: 88-89% at 64 and 256 rows (2 heads 86-87%,
+    4 heads 86-88%, 8 heads at 8 warps 85-89%; benchmarks/results/nvidia_h200.json)."""
     block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
-    return BlockSizes(block_p=block_p, num_warps=8)
+    programs = rows * pl.cdiv(head_dim, block_p) * num_heads
+    block_h = 1
+    while block_h < _MAX_BLOCK_H and programs // (2 * block_h) >= _MIN_PROGRAMS:
+        block_h *= 2
+    if block_h == 1:
+        return BlockSizes(block_p=block_p, num_warps=8)
+    return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
 
 
 def _kernel(
@@ -65,19 +90,20 @@ def _kernel(
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     block_p: int,
+    block_h: int,
 ):
     del cache_in_ref  # the same buffer as cache_ref
-    r, h, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    g = h // heads_per_group
+    r, hb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_heads = y_ref.shape[1]
     bp, bn = block_p, block_dim(state_dim)
     p0 = pb * bp
     p_live = p0 + jnp.arange(bp) < head_dim
     n_live = jnp.arange(bn) < state_dim
+    tile = p_live[:, None] & n_live[None, :]
     slot = slot_ref[r]
 
-    @pl.when(slot >= 0)
-    def _():
-        tile = p_live[:, None] & n_live[None, :]
+    def advance(h):
+        g = h // heads_per_group
         # evict_last: the tile is written back right after, to the same lines.
         state = plgpu.load(
             cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)],
@@ -108,9 +134,20 @@ def _kernel(
             y = y * silu(z.astype(jnp.float32))
         plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], y.astype(y_ref.dtype), mask=p_live)
 
-    @pl.when(slot < 0)
-    def _():
+    def zero(h):
         plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], jnp.zeros((bp,), y_ref.dtype), mask=p_live)
+
+    def head(i, carry):
+        h = hb * block_h + i
+        live = h < num_heads  # the last block of heads may run past H
+        pl.when(live & (slot >= 0))(lambda: advance(h))
+        pl.when(live & (slot < 0))(lambda: zero(h))
+        return carry
+
+    if block_h == 1:
+        head(0, None)
+    else:
+        jax.lax.fori_loop(0, block_h, head, None)
 
 
 def selective_state_update(
@@ -150,14 +187,15 @@ def selective_state_update(
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
             block_p=block_p,
+            block_h=blocks.block_h,
         ),
-        grid=(rows, H, pl.cdiv(P, block_p)),
+        grid=(rows, pl.cdiv(H, blocks.block_h), pl.cdiv(P, block_p)),
         out_shape=(
             jax.ShapeDtypeStruct((rows, H, P), x.dtype),
             jax.ShapeDtypeStruct(state_cache.shape, state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},
-        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"selective_state_update_bp{block_p}",
+        name=f"selective_state_update_bp{block_p}_bh{blocks.block_h}",
     )(*args)

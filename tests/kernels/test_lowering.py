@@ -70,9 +70,12 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
         assert name in text
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
-def test_state_update_lowers(cache_dtype):
-    S, R, H, P, N, G = 8, 4, 8, 64, 128, 2
+@pytest.mark.parametrize(
+    "cache_dtype, R", [(jnp.float32, 4), (jnp.bfloat16, 4), (jnp.float32, 256)]
+)
+def test_state_update_lowers(cache_dtype, R):
+    """One head per program, and (256 rows) 16 heads per program in a pipelined loop."""
+    S, H, P, N, G = 8, 128, 64, 128, 2
 
     def fn(cache, x, dt, A, B, C, slots):
         return state_update_triton.selective_state_update(
@@ -88,8 +91,11 @@ def test_state_update_lowers(cache_dtype):
             dt_bias=None,
             dt_softplus=True,
             dt_limit=(0.0, math.inf),
-            config=state_update_triton.default_block_sizes(P, N),
+            config=config,
         )
+
+    config = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
+    assert config.block_h == (16 if R == 256 else 1)
 
     text = lower_for_cuda(
         fn,
@@ -101,4 +107,4 @@ def test_state_update_lowers(cache_dtype):
         spec((R, G, N)),
         spec((R,), jnp.int32),
     )
-    assert "selective_state_update" in text
+    assert f"selective_state_update_bp64_bh{config.block_h}" in text

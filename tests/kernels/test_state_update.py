@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for, selective_state_update, ssd_scan
 from pallas_kernels.state_update import api as state_update_api
+from pallas_kernels.state_update import triton as state_update_triton
 from pallas_kernels.testing import (
     assert_close,
     assert_close_per_row,
@@ -90,6 +91,20 @@ def test_matches_oracle(impl, groups, d_shape):
     slots = [3, -1, 0, 5]
     arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
     y, cache = call(impl, arrays, slots, **options)
+    check_step(arrays, slots, y, cache, options, F32_TOL)
+
+
+@pytest.mark.parametrize("block_h, num_stages", [(4, 2), (8, 1)])
+def test_heads_per_program(block_h, num_stages):
+    """Several heads per program (a loop; 6 heads, so the last block of 4 runs past H and
+    one block of 8 covers them all), padding rows and poisoned unnamed slots."""
+    arrays, options = make_step(5, heads=6, groups=3, seed=7)
+    slots = [3, -1, 0, 5, 2]
+    arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
+    config = state_update_triton.BlockSizes(
+        block_p=2, block_h=block_h, num_warps=4, num_stages=num_stages
+    )
+    y, cache = call("triton", arrays, slots, config=config, **options)
     check_step(arrays, slots, y, cache, options, F32_TOL)
 
 
