@@ -46,6 +46,13 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
     )
 
 
+def masked_load(ref, mask: jax.Array | None) -> jax.Array:
+    """``ref[...]`` reading 0 where ``mask`` is False (unmasked when ``mask`` is None)."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=0.0)
+
+
 def static_index(i: int) -> jax.Array:
     """A static ref index as a scalar array (``ref.at[static_index(k)]``): interpret mode
     cannot discharge plain Python ints in a ref indexer (jax 0.11.2)."""

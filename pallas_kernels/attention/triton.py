@@ -83,6 +83,7 @@ from pallas_kernels._pallas import (
     block_dim,
     compiler_params,
     dot,
+    masked_load,
     next_power_of_2,
     static_index,
 )
@@ -205,13 +206,6 @@ class _AttentionShapes:
     @property
     def block_d(self) -> int:  # the head dim padded to a power of two >= 16
         return block_dim(self.head_dim, MIN_DOT_DIM)
-
-
-def _load(ref, mask):
-    """``ref[...]``, masked (``other=0``) when ``mask`` is given."""
-    if mask is None:
-        return plgpu.load(ref)
-    return plgpu.load(ref, mask=mask, other=0.0)
 
 
 # ------------------------------------------------------------------------- shared pieces
@@ -341,7 +335,7 @@ def _load_kv(ref, line, row, start, h, *, block_k, head_dim, kv_len, masked):
         mask = jnp.broadcast_to(d_live[None, :], (block_k, bd))
     else:
         mask = None
-    return _load(ref.at[line, pl.ds(row, block_k), h, pl.ds(static_index(0), bd)], mask)
+    return masked_load(ref.at[line, pl.ds(row, block_k), h, pl.ds(static_index(0), bd)], mask)
 
 
 def _load_kv_block(k_ref, v_ref, lines, start, h, *, dtype, **kwargs):
@@ -452,7 +446,7 @@ def _prefill_kernel(
             bounds = _query_block_ranges(pos_first, pos_last, kv_len, left, right, block_k)
             lines = _kv_lines(table_ref, seq, page_size=page_size, num_lines=k_ref.shape[0])
 
-            q = _load(
+            q = masked_load(
                 q_ref.at[pl.ds(row0, block_q), pl.ds(head0, bg), pl.ds(static_index(0), bd)],
                 tile_mask(row_live),
             )
@@ -782,10 +776,10 @@ def _bwd_tile_loads(
         mask2 = row_live[:, None] & g_live[None, :]
     rows, heads = pl.ds(row0, block_q), pl.ds(head0, bg)
     cols = pl.ds(static_index(0), bd)
-    q = _load(q_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
-    do = _load(do_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
-    lse = _load(lse_ref.at[rows, heads], mask2)
-    delta = _load(delta_ref.at[rows, heads], mask2)
+    q = masked_load(q_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
+    do = masked_load(do_ref.at[rows, heads, cols], mask3).astype(compute_dtype)
+    lse = masked_load(lse_ref.at[rows, heads], mask2)
+    delta = masked_load(delta_ref.at[rows, heads], mask2)
     n = block_q * bg
     return q.reshape(n, bd), do.reshape(n, bd), lse.reshape(n), delta.reshape(n)
 
@@ -1352,7 +1346,7 @@ def _decode_kernel(
     @pl.when((slot >= 0) & (k0 < k1))
     def _():
         qk_scale = scale_ref[0]
-        q = _load(
+        q = masked_load(
             q_ref.at[t, pl.ds(h * group, rows), pl.ds(static_index(0), bd)],
             g_live[:, None] & d_live[None, :],
         ).astype(compute_dtype)
@@ -1429,8 +1423,8 @@ def _decode_combine_kernel(
             mask=mask,
             other=_MASK_VALUE,
         )
-        l_s = _load(l_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(static_index(0), bg)], mask)
-        acc_s = _load(
+        l_s = masked_load(l_ref.at[t, h, pl.ds(s0, block_splits), pl.ds(static_index(0), bg)], mask)
+        acc_s = masked_load(
             acc_ref.at[
                 t,
                 h,
@@ -1645,7 +1639,9 @@ def _write_kv_kernel(
     @pl.when(slot >= 0)
     def _():
         for src, dst in ((k_ref, k_cache_ref), (v_ref, v_cache_ref)):
-            row = _load(src.at[t, pl.ds(static_index(0), bh), pl.ds(static_index(0), bd)], tile)
+            row = masked_load(
+                src.at[t, pl.ds(static_index(0), bh), pl.ds(static_index(0), bd)], tile
+            )
             plgpu.store(
                 dst.at[slot, pos, pl.ds(static_index(0), bh), pl.ds(static_index(0), bd)],
                 row.astype(dst.dtype),

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, compiler_params, dot
+from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, compiler_params, dot, masked_load
 from pallas_kernels.backend import pallas_dtypes
 
 # Rows per expert from which a call is compute-bound (prefill): 128-row tiles keep the
@@ -181,13 +181,6 @@ def _both(a: jax.Array | None, b: jax.Array | None, shape: tuple[int, int]) -> j
     return a[:, None] & b[None, :]
 
 
-def _load(ref, mask: jax.Array | None) -> jax.Array:
-    """A load that reads 0 where ``mask`` is False (unmasked when ``mask`` is None)."""
-    if mask is None:
-        return plgpu.load(ref)
-    return plgpu.load(ref, mask=mask, other=0.0)
-
-
 def _tail_mask(start, block: int, size: int) -> jax.Array | None:
     """``start + arange(block) < size``, or None when every block is full."""
     if size % block == 0:
@@ -231,11 +224,13 @@ def _tile_kernel(
             k0 = pl.multiple_of(k * block_k, block_k)
             ks = pl.ds(k0, block_k)
             k_live = _tail_mask(k0, block_k, contract)
-            a = _load(x_ref.at[rows, ks], _both(row_live, k_live, (num, block_k)))
+            a = masked_load(x_ref.at[rows, ks], _both(row_live, k_live, (num, block_k)))
             if transpose_w:
-                b = _load(w_ref.at[expert, cols, ks], _both(col_live, k_live, (block_n, block_k)))
+                b = masked_load(
+                    w_ref.at[expert, cols, ks], _both(col_live, k_live, (block_n, block_k))
+                )
                 return acc + dot(a, b, trans_b=True)
-            b = _load(w_ref.at[expert, ks, cols], _both(k_live, col_live, (block_k, block_n)))
+            b = masked_load(w_ref.at[expert, ks, cols], _both(k_live, col_live, (block_k, block_n)))
             return acc + dot(a, b)
 
         acc = jnp.zeros((num, block_n), jnp.float32)
@@ -324,8 +319,8 @@ def _weight_grad_kernel(
         r0 = start + i * block_m
         live = jnp.arange(block_m) < end - r0
         rows = pl.ds(r0, block_m)
-        a = _load(x_ref.at[rows, ks], _both(live, k_live, (block_m, block_k)))
-        b = _load(dy_ref.at[rows, ns], _both(live, n_live, (block_m, block_n)))
+        a = masked_load(x_ref.at[rows, ks], _both(live, k_live, (block_m, block_k)))
+        b = masked_load(dy_ref.at[rows, ns], _both(live, n_live, (block_m, block_n)))
         return acc + dot(a, b, trans_a=True)
 
     # lax.div: the row count is >= 0, and jnp's floor division does not lower through Triton.

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import checked_slots, decay_factor, process_dt, silu
-from pallas_kernels._pallas import block_dim, compiler_params, static_index
+from pallas_kernels._pallas import block_dim, compiler_params, masked_load, static_index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,57 +97,65 @@ def _kernel(
     num_heads = y_ref.shape[1]
     bp, bn = block_p, block_dim(state_dim)
     p0 = pb * bp
-    p_live = p0 + jnp.arange(bp) < head_dim
-    n_live = jnp.arange(bn) < state_dim
-    tile = p_live[:, None] & n_live[None, :]
     slot = slot_ref[r]
+    # Masks only where a tile or the last block of heads can run past the arrays: a
+    # branch or a mask the compiler cannot drop inside the loop over heads keeps it from
+    # pipelining the state loads (measured: 85% of copy instead of 88-89%).
+    exact_tile = head_dim % bp == 0 and bn == state_dim
+    ragged_heads = num_heads % block_h != 0
 
-    def advance(h):
+    def masks(h):
+        """(h clamped into [0, H), the [bp] and [bp, bn] masks, None where all true)."""
+        p_live = None if exact_tile else p0 + jnp.arange(bp) < head_dim
+        if ragged_heads:
+            live = h < num_heads
+            h = jnp.minimum(h, num_heads - 1)
+            p_live = jnp.full((bp,), live) if p_live is None else p_live & live
+        if p_live is None:
+            return h, None, None
+        n_live = jnp.arange(bn) < state_dim
+        return h, p_live, p_live[:, None] & n_live[None, :]
+
+    def advance(i, carry):
+        h, p_live, tile = masks(hb * block_h + i)
         g = h // heads_per_group
+        cache_tile = cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)]
         # evict_last: the tile is written back right after, to the same lines.
         state = plgpu.load(
-            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)],
-            mask=tile,
-            other=0.0,
-            eviction_policy="evict_last",
+            cache_tile, mask=tile, other=None if tile is None else 0.0, eviction_policy="evict_last"
         ).astype(jnp.float32)
         bias = None if dt_bias_ref is None else dt_bias_ref[h]
         dt = process_dt(
             dt_ref[r, h].astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit
         )
         decay = decay_factor(dt * A_ref[h])
-        x = plgpu.load(x_ref.at[r, h, pl.ds(p0, bp)], mask=p_live, other=0.0)
-        x = x.astype(jnp.float32)
-        B = plgpu.load(B_ref.at[r, g, pl.ds(static_index(0), bn)], mask=n_live, other=0.0)
-        C = plgpu.load(C_ref.at[r, g, pl.ds(static_index(0), bn)], mask=n_live, other=0.0)
-        state = decay * state + (dt * x)[:, None] * B.astype(jnp.float32)[None, :]
-        plgpu.store(
-            cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)],
-            state.astype(cache_ref.dtype),
-            mask=tile,
-        )
-        y = jnp.sum(state * C.astype(jnp.float32)[None, :], axis=1)
+        x = masked_load(x_ref.at[r, h, pl.ds(p0, bp)], p_live).astype(jnp.float32)
+        n_live = None if exact_tile else jnp.arange(bn) < state_dim
+        B = masked_load(B_ref.at[r, g, pl.ds(static_index(0), bn)], n_live).astype(jnp.float32)
+        C = masked_load(C_ref.at[r, g, pl.ds(static_index(0), bn)], n_live).astype(jnp.float32)
+        state = decay * state + (dt * x)[:, None] * B[None, :]
+        plgpu.store(cache_tile, state.astype(cache_ref.dtype), mask=tile)
+        y = jnp.sum(state * C[None, :], axis=1)
         if D_ref is not None:
-            y = y + plgpu.load(D_ref.at[h, pl.ds(p0, bp)], mask=p_live, other=0.0) * x
+            y = y + masked_load(D_ref.at[h, pl.ds(p0, bp)], p_live) * x
         if z_ref is not None:
-            z = plgpu.load(z_ref.at[r, h, pl.ds(p0, bp)], mask=p_live, other=0.0)
-            y = y * silu(z.astype(jnp.float32))
+            y = y * silu(masked_load(z_ref.at[r, h, pl.ds(p0, bp)], p_live).astype(jnp.float32))
         plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], y.astype(y_ref.dtype), mask=p_live)
-
-    def zero(h):
-        plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], jnp.zeros((bp,), y_ref.dtype), mask=p_live)
-
-    def head(i, carry):
-        h = hb * block_h + i
-        live = h < num_heads  # the last block of heads may run past H
-        pl.when(live & (slot >= 0))(lambda: advance(h))
-        pl.when(live & (slot < 0))(lambda: zero(h))
         return carry
 
-    if block_h == 1:
-        head(0, None)
-    else:
-        jax.lax.fori_loop(0, block_h, head, None)
+    def zero(i, carry):
+        h, p_live, _ = masks(hb * block_h + i)
+        plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], jnp.zeros((bp,), y_ref.dtype), mask=p_live)
+        return carry
+
+    def heads(body):
+        if block_h == 1:
+            body(0, None)
+        else:
+            jax.lax.fori_loop(0, block_h, body, None)
+
+    pl.when(slot >= 0)(lambda: heads(advance))
+    pl.when(slot < 0)(lambda: heads(zero))
 
 
 def selective_state_update(
