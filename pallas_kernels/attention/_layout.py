@@ -152,6 +152,12 @@ def scale_operand(sm_scale: float | jax.Array) -> jax.Array:
     return (jnp.asarray(sm_scale, jnp.float32) * LOG2E).reshape(1)
 
 
+def backward_scale_operand(sm_scale: float | jax.Array) -> jax.Array:
+    """fp32[2]: ``(sm_scale * log2(e), sm_scale)``, the backward kernels' scales (the
+    probabilities are recomputed in log2 units, the gradients scaled by ``sm_scale``)."""
+    return jnp.concatenate([scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)])
+
+
 def band_operand(causal: bool | jax.Array, sliding_window: int | jax.Array | None) -> jax.Array:
     """int32[2]: ``(left, right)``, keys ``pos - left < j <= pos + right`` are visible."""
     left = NO_WINDOW if sliding_window is None else sliding_window

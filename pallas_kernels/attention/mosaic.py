@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Final
+from typing import Final, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -323,6 +323,66 @@ def kv_block_address(plan: Plan, item, j, *, block_k: int, pool_shape) -> tuple:
     return jnp.clip(page, 0, pool_shape[0] - 1), lax.rem(key0, page_size)
 
 
+def produce_kv_ring(plan: Plan, item, refs, rings, full, free, *, kv_head, block_k: int):
+    """The producer warpgroup's loop: KV blocks ``[kv_lo, kv_hi)`` of the item, K and V
+    (``refs``) of ``kv_head``, TMA-copied into slot ``(j - kv_lo) % num_stages`` of their
+    shared-memory ``rings[num_stages, block_k, D]``; ``full`` barriers fire when a copy
+    lands, a slot is refilled once its ``free`` barriers (both consumers) fired."""
+    kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
+    num_stages = rings[0].shape[0]
+
+    def load(block, slot):
+        line, row = block
+        for ref, ring, landed in zip(refs, rings, full, strict=True):
+            src = ref.at[line, pl.ds(row, block_k), kv_head]
+            plgpu.copy_gmem_to_smem(src, ring.at[slot], landed.at[slot])
+
+    def address(j):
+        return kv_block_address(plan, item, j, block_k=block_k, pool_shape=refs[0].shape)
+
+    for i in range(num_stages):  # the ring's first fill
+        pl.when(kv_lo + i < kv_hi)(lambda i=i: load(address(kv_lo + i), i))
+
+    @pl.loop(kv_lo + num_stages, kv_hi)
+    def _steady(j):
+        slot = lax.rem(j - kv_lo, num_stages)
+        # The page lookup (paged) is issued before the wait: its latency hides under the
+        # consumers' work on the slot.
+        block = address(j)
+        for released in free:
+            plgpu.barrier_wait(released.at[slot])
+        load(block, slot)
+
+
+class ConsumerWork(NamedTuple):
+    """A consumer's share of a plan item (:class:`Plan`): its rows and KV blocks."""
+
+    row0: jax.Array  # first of its block_q rows
+    pos0: jax.Array  # the position of row0 in the item's sequence
+    first: jax.Array  # first stored row of the block_q
+    live: jax.Array  # rows stored
+    lo_blk: jax.Array  # KV blocks [lo_blk, mid_lo) and [mid_hi, hi_blk) masked,
+    mid_lo: jax.Array  # [mid_lo, mid_hi) not; the rest of [kv_lo, kv_hi) only released
+    mid_hi: jax.Array
+    hi_blk: jax.Array
+
+    @classmethod
+    def of(cls, plan: Plan, item, c, block_q: int) -> ConsumerWork:
+        def own(field):  # consumer c's entry of an [I, C] field
+            return jnp.where(c == 0, field[item, 0], field[item, 1])
+
+        return cls(
+            row0=plan.row0[item] + c * block_q,
+            pos0=plan.pos0[item] + c * block_q,
+            first=own(plan.first),
+            live=own(plan.live),
+            lo_blk=own(plan.lo_blk),
+            mid_lo=own(plan.mid_lo),
+            mid_hi=own(plan.mid_hi),
+            hi_blk=own(plan.hi_blk),
+        )
+
+
 def store_rows(tile, out_ref, *, row0, first, live, head) -> None:
     """TMA-stores rows ``[first, first + live)`` of a consumer's staged ``tile[block_q,
     D]`` (committed) to ``out_ref[row0 + first:, head]`` and waits for the reads. TMA
@@ -375,47 +435,29 @@ def _kernel(
 
         kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
 
-        def kv_block(j):
-            return kv_block_address(plan, item, j, block_k=block_k, pool_shape=k_ref.shape)
-
         @pl.when(wg == _CONSUMERS)
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-
-            def load(block, ring):
-                line, row = block
-                for ref, smem, full in ((k_ref, k_smem, k_full), (v_ref, v_smem, v_full)):
-                    src = ref.at[line, pl.ds(row, block_k), kv_head]
-                    plgpu.copy_gmem_to_smem(src, smem.at[ring], full.at[ring])
-
-            for i in range(num_stages):  # the ring's first fill
-                pl.when(kv_lo + i < kv_hi)(lambda i=i: load(kv_block(kv_lo + i), i))
-
-            @pl.loop(kv_lo + num_stages, kv_hi)
-            def _steady(j):
-                ring = lax.rem(j - kv_lo, num_stages)
-                # The page lookup (paged) is issued before the wait: its latency hides
-                # under the consumers' work on the slot.
-                block = kv_block(j)
-                plgpu.barrier_wait(k_free.at[ring])
-                plgpu.barrier_wait(v_free.at[ring])
-                load(block, ring)
+            produce_kv_ring(
+                plan,
+                item,
+                (k_ref, v_ref),
+                (k_smem, v_smem),
+                (k_full, v_full),
+                (k_free, v_free),
+                kv_head=kv_head,
+                block_k=block_k,
+            )
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             c = wg
-
-            def own(field):  # this consumer's entry of an [I, C] field
-                return jnp.where(c == 0, field[item, 0], field[item, 1])
-
-            row0 = plan.row0[item] + c * block_q
-            first, live = own(plan.first), own(plan.live)
+            work = ConsumerWork.of(plan, item, c, block_q)
+            row0, pos0, first, live = work.row0, work.pos0, work.first, work.live
+            lo_blk, mid_lo, mid_hi, hi_blk = work.lo_blk, work.mid_lo, work.mid_hi, work.hi_blk
             attend = plan.slot[item] >= 0
             kv_len = plan.kv_len[item]
-            pos0 = plan.pos0[item] + c * block_q
-            lo_blk, mid_lo = own(plan.lo_blk), own(plan.mid_lo)
-            mid_hi, hi_blk = own(plan.mid_hi), own(plan.hi_blk)
             q_tile, o_tile = q_smem.at[c], o_smem.at[c]
             left, right = band_ref[0], band_ref[1]
             qk_scale = scale_ref[0]

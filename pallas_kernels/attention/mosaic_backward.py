@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import checked_slots
 from pallas_kernels.attention import mosaic
-from pallas_kernels.attention._layout import band_operand, scale_operand
+from pallas_kernels.attention._layout import backward_scale_operand, band_operand
 
 # Consumer warpgroups per thread block, each holding _BLOCK_K keys (the wgmma M dimension
 # of the dK and dV products).
@@ -359,9 +359,7 @@ def dkv_gradients(
     key_blocks = pl.cdiv(cache_len, _KEYS_PER_BLOCK)
     line_shape = (num_lines, key_blocks * _KEYS_PER_BLOCK, num_kv_heads, head_dim)
     line = jax.ShapeDtypeStruct(line_shape, k_cache.dtype)
-    scales = jnp.concatenate(
-        [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
-    )
+    scales = backward_scale_operand(sm_scale)
 
     def attention_bwd_dkv(*refs):  # named: the profiles show the kernel by this name
         _dkv_kernel(*refs, group=num_q_heads // num_kv_heads)
@@ -425,44 +423,28 @@ def _dq_kernel(
         kv_head = head // group
         kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
 
-        def kv_block(j):
-            return mosaic.kv_block_address(plan, item, j, block_k=_BLOCK_K, pool_shape=k_ref.shape)
-
         @pl.when(wg == _CONSUMERS)
         def _producer():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-
-            def load(block, slot):
-                line, row = block
-                for ref, smem, full in ((k_ref, k_smem, k_full), (v_ref, v_smem, v_full)):
-                    src = ref.at[line, pl.ds(row, _BLOCK_K), kv_head]
-                    plgpu.copy_gmem_to_smem(src, smem.at[slot], full.at[slot])
-
-            for i in range(_STAGES):
-                pl.when(kv_lo + i < kv_hi)(lambda i=i: load(kv_block(kv_lo + i), i))
-
-            @pl.loop(kv_lo + _STAGES, kv_hi)
-            def _steady(j):
-                slot = lax.rem(j - kv_lo, _STAGES)
-                block = kv_block(j)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                load(block, slot)
+            mosaic.produce_kv_ring(
+                plan,
+                item,
+                (k_ref, v_ref),
+                (k_smem, v_smem),
+                (k_full, v_full),
+                (k_free, v_free),
+                kv_head=kv_head,
+                block_k=_BLOCK_K,
+            )
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             c = wg
-
-            def own(field):  # this consumer's entry of an [I, C] field
-                return jnp.where(c == 0, field[item, 0], field[item, 1])
-
-            row0 = plan.row0[item] + c * _BLOCK_Q
-            first, live = own(plan.first), own(plan.live)
+            work = mosaic.ConsumerWork.of(plan, item, c, _BLOCK_Q)
+            row0, pos0, first, live = work.row0, work.pos0, work.first, work.live
+            lo_blk, mid_lo, mid_hi, hi_blk = work.lo_blk, work.mid_lo, work.mid_hi, work.hi_blk
             kv_len = plan.kv_len[item]
-            pos0 = plan.pos0[item] + c * _BLOCK_Q
-            lo_blk, mid_lo = own(plan.lo_blk), own(plan.mid_lo)
-            mid_hi, hi_blk = own(plan.mid_hi), own(plan.hi_blk)
             q_tile, do_tile = q_smem.at[c], do_smem.at[c]
             left, right = band_ref[0], band_ref[1]
             qk_scale, sm_scale = scale_ref[0], scale_ref[1]
@@ -616,9 +598,7 @@ def dq_gradient(
         block_k=_BLOCK_K,
         block_table=block_table,
     )
-    scales = jnp.concatenate(
-        [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
-    )
+    scales = backward_scale_operand(sm_scale)
 
     def attention_bwd_dq(*refs):  # named: the profiles show the kernel by this name
         _dq_kernel(*refs, group=num_q_heads // num_kv_heads)

@@ -88,6 +88,7 @@ from pallas_kernels._pallas import (
     static_index,
 )
 from pallas_kernels.attention._layout import (
+    backward_scale_operand,
     band_operand,
     is_decode_shaped,
     jit_attention,
@@ -1079,9 +1080,7 @@ def attention_backward(
             sliding_window=sliding_window,
         )
         seq_start = jnp.clip(query_start_loc[:-1], 0, s.num_tokens).astype(jnp.int32)
-        scales = jnp.concatenate(
-            [scale_operand(sm_scale), jnp.asarray(sm_scale, jnp.float32).reshape(1)]
-        )
+        scales = backward_scale_operand(sm_scale)
         dout = dout.astype(q.dtype)
         # delta = rowsum(dO ∘ O) (FlashAttention-2, Algorithm 2, line 4), fp32.
         delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
