@@ -152,18 +152,24 @@ def case_batch(rng, case: VarlenCase, **kw) -> AttentionBatch:
     )
 
 
-def run_attention(batch: AttentionBatch, impl: str, **options):
-    """``masked_tail_attention`` on ``batch``. ``mosaic`` (on a Hopper GPU) serves only some
-    batches (bf16/fp16 prefill, head dim 64 or 128, T and L multiples of 8) and raises on
-    the others: the test is skipped with the reason rather than run on another backend."""
+def skip_unless_served(batch: AttentionBatch, impl: str, **options) -> None:
+    """``mosaic`` (on a Hopper GPU) serves only some batches (bf16/fp16 prefill, head dim
+    64 or 128, T and L multiples of 8) and raises on the others: the test is skipped with
+    the reason rather than run on another backend."""
+    if impl != "mosaic":
+        return
     fn = functools.partial(api.masked_tail_attention, implementation=impl, **options)
-    args = (batch.q, batch.k_cache, batch.v_cache)
-    if impl == "mosaic":
-        try:
-            pk.backend_for(fn, *args, **batch.kwargs())
-        except ValueError as reason:
-            pytest.skip(f"the Mosaic kernel does not serve this batch: {reason}")
-    return fn(*args, **batch.kwargs())
+    try:
+        pk.backend_for(fn, batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
+    except ValueError as reason:
+        pytest.skip(f"the Mosaic kernel does not serve this batch: {reason}")
+
+
+def run_attention(batch: AttentionBatch, impl: str, **options):
+    """``masked_tail_attention`` on ``batch`` (skipped where ``impl`` cannot serve it)."""
+    skip_unless_served(batch, impl, **options)
+    fn = functools.partial(api.masked_tail_attention, implementation=impl, **options)
+    return fn(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
 
 
 def check_attention(batch: AttentionBatch, out, **options) -> np.ndarray:
@@ -313,6 +319,7 @@ def test_attention_is_deterministic(impl):
 @pytest.mark.parametrize("impl", ATTENTION)
 def test_attention_under_jit(impl):
     batch = case_batch(np.random.default_rng(10), CASES[4])
+    skip_unless_served(batch, impl)
     fn = jax.jit(
         functools.partial(
             api.masked_tail_attention, causal=True, sliding_window=5, implementation=impl
@@ -367,6 +374,7 @@ def test_attention_out_of_range_slot_ids_are_padding(impl):
     those a wrapped or clamped id would hit), other rows are bit-identical to the run with
     -1. ``validate=True`` rejects them."""
     batch = case_batch(np.random.default_rng(13), MIXED, extra_slots=4)
+    skip_unless_served(batch, impl)
     num_slots, row = batch.k_cache.shape[0], 2  # 8 slots; the 4-token chunked prefill
     named = np.delete(batch.slot_ids, row)
     batch.k_cache = poison_slots(batch.k_cache, named)
