@@ -1,32 +1,40 @@
-"""dK and dV of masked-tail attention as a Pallas Mosaic GPU kernel (Hopper: wgmma, TMA).
+"""The Mosaic backend's attention backward as Pallas Mosaic GPU kernels (Hopper: wgmma, TMA).
 
-The Mosaic backend's backward: dQ runs the Triton kernel (``triton.attention_backward``),
-dK and dV this one, both from the ``lse`` the Mosaic forward saves. FlashAttention-2's
-dK/dV loop (Dao, arXiv 2307.08691, Algorithm 2) on FlashAttention-3's thread block (Shah
-et al., arXiv 2407.08608): a producer warpgroup streams the query rows that see a block of
-keys, as tiles of Q, dO and their ``lse`` and ``delta = rowsum(dO ∘ O)``, into a ring of
-shared-memory slots with TMA; two consumer warpgroups each hold ``_BLOCK_K`` keys and
-values in shared memory and their ``dK``, ``dV`` accumulators in fp32 registers, and per
-tile run four wgmma products::
+Both kernels start from the ``lse`` the Mosaic forward saves (``mosaic.prefill_attention``
+with ``with_lse``) and ``delta = rowsum(dO ∘ O)``, and follow FlashAttention-2's backward
+(Dao, arXiv 2307.08691, Algorithm 2) on FlashAttention-3's thread block (Shah et al.,
+arXiv 2407.08608): a producer warpgroup streams tiles into a ring of shared-memory slots
+with TMA, two consumer warpgroups run the products on the tensor cores with their fp32
+accumulators in registers. ``triton.attention_backward`` calls them (``dq_kernel``,
+``dkv_kernel``).
+
+**dK, dV** (``attention_bwd_dkv``): a thread block owns ``_CONSUMERS * _BLOCK_K`` keys of
+one cache line and one KV head; each consumer holds ``_BLOCK_K`` keys and values in shared
+memory, and the producer streams, for every query head of the GQA group, the Q and dO
+tiles of the rows whose band meets the keys, with their ``lse`` and ``delta``. Per tile::
 
     Sᵀ  = K Qᵀ            Pᵀ  = 2^(Sᵀ · sm_scale · log2 e − lse)   (masked: 0)
     dPᵀ = V dOᵀ           dSᵀ = Pᵀ ∘ (dPᵀ − delta)                 (masked: 0)
     dV += Pᵀ dO           dK += dSᵀ Q                              (dK × sm_scale at the end)
 
 ``Pᵀ`` and ``dSᵀ`` are the left operands of the last two as they leave the first two, in
-registers. A thread block owns ``_CONSUMERS * _BLOCK_K`` keys of one sequence and one KV
-head, and walks every query head of its GQA group over the rows whose band meets its keys
-(FlashAttention's GQA backward sums the group's heads the same way), so dK and dV come out
-summed over the group with no second pass.
+registers, and dK, dV come out summed over the group's heads with no second pass. Only
+the tiles on the band's edges, at ``kv_len`` and at the row range's ends are masked.
 
-Layout and masking follow the forward (``mosaic.py``): Q tiles start at rows that are
-multiples of 8 (TMA reads tiled tiles only there), so a tile may hold rows of neighbouring
-sequences; a row outside the block's row range, a key at or past ``kv_len`` and a pair
-outside the band get ``Pᵀ = dSᵀ = 0`` by selection, so cache tails (NaN in tests) never
-reach a gradient. The kernel writes per-sequence gradient lines ``[B, L, Hkv, D]``, every
-line whole (zeros where nothing is read); the caller puts them into the cache layout.
-``lse`` and ``delta`` come in head-major ``[Hq, T]`` so a tile's entries are contiguous
-(one TMA copy each).
+**dQ** (``attention_bwd_dq``): the forward's items and KV ring (:func:`mosaic.plan`,
+:func:`mosaic.produce_kv_ring`); each consumer holds its 64 rows' Q, dO, ``lse`` and
+``delta`` and accumulates ``dQ += dS K`` over the forward's KV blocks, masked as the
+forward masks them.
+
+Layout and masking follow the forward: Q tiles start at rows that are multiples of 8 (TMA
+reads tiled tiles only there), so a tile may hold rows of neighbouring sequences; a row
+outside the range, a key at or past ``kv_len`` and a pair outside the band get ``P = dS =
+0`` by selection, and the dQ kernel zeroes the key rows past ``kv_len`` in shared memory
+before ``dS K`` (``0 · NaN`` is NaN), so cache tails (NaN in tests) never reach a
+gradient. dK and dV go to gradient lines that are written whole (zeros where nothing is
+read): one per slot for contiguous caches (the cache gradients themselves), one per
+sequence for paged ones (the caller adds them into the pages). ``lse`` and ``delta`` come
+in head-major ``[Hq, T]`` so a tile's entries are contiguous (one TMA copy each).
 """
 
 from __future__ import annotations
@@ -143,7 +151,7 @@ def _dkv_kernel(
     do_ref,  # [T, Hq, D]
     lse_ref,  # [Hq, T] fp32
     delta_ref,  # [Hq, T] fp32
-    dk_ref,  # [B, L, Hkv, D]: per-sequence lines
+    dk_ref,  # [lines, L', Hkv, D]: one line per slot (contiguous) or per sequence (paged)
     dv_ref,  # like dk_ref
     *,
     group: int,
