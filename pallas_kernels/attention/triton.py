@@ -1079,7 +1079,6 @@ def attention_backward(
             causal=causal,
             sliding_window=sliding_window,
         )
-        seq_start = jnp.clip(query_start_loc[:-1], 0, s.num_tokens).astype(jnp.int32)
         scales = backward_scale_operand(sm_scale)
         dout = dout.astype(q.dtype)
         # delta = rowsum(dO ∘ O) (FlashAttention-2, Algorithm 2, line 4), fp32.
@@ -1101,37 +1100,8 @@ def attention_backward(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
         )
-        if dq_kernel is not None:
-            dq = dq_kernel(*kernel_args, **kernel_kwargs)
-        else:
-            dq = pl.pallas_call(
-                functools.partial(_dq_kernel, block_q=b.dq_block_q, block_k=b.dq_block_k, **static),
-                grid=(s.num_kv_heads, plan.max_q_blocks),
-                out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                compiler_params=compiler_params(
-                    num_warps=b.dq_num_warps, num_stages=b.dq_num_stages
-                ),
-                interpret=interpret,
-                name=f"attention_bwd_dq_bq{b.dq_block_q}_bk{b.dq_block_k}_{shape}",
-            )(
-                plan.prog_seq,
-                plan.prog_row,
-                plan.seq_end,
-                plan.seq_offset,
-                plan.seq_kv_len,
-                plan.seq_slot,
-                plan.table,
-                scales,
-                plan.band,
-                q,
-                k_cache,
-                v_cache,
-                dout,
-                lse,
-                delta,
-            )
-        dkv_args = (
-            seq_start,
+        # The operands both Triton kernels take after their own first ones.
+        operands = (
             plan.seq_end,
             plan.seq_offset,
             plan.seq_kv_len,
@@ -1146,9 +1116,24 @@ def attention_backward(
             lse,
             delta,
         )
+        if dq_kernel is not None:
+            dq = dq_kernel(*kernel_args, **kernel_kwargs)
+        else:
+            dq = pl.pallas_call(
+                functools.partial(_dq_kernel, block_q=b.dq_block_q, block_k=b.dq_block_k, **static),
+                grid=(s.num_kv_heads, plan.max_q_blocks),
+                out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                compiler_params=compiler_params(
+                    num_warps=b.dq_num_warps, num_stages=b.dq_num_stages
+                ),
+                interpret=interpret,
+                name=f"attention_bwd_dq_bq{b.dq_block_q}_bk{b.dq_block_k}_{shape}",
+            )(plan.prog_seq, plan.prog_row, *operands)
         if dkv_kernel is not None:
             dk, dv = dkv_kernel(*kernel_args, **kernel_kwargs)
         else:
+            seq_start = jnp.clip(query_start_loc[:-1], 0, s.num_tokens).astype(jnp.int32)
+            dkv_args = (seq_start, *operands)
             grad_shape = k_cache.shape
             if s.page_size is not None:  # per-sequence lines
                 grad_shape = (s.num_seqs, s.cache_len, *k_cache.shape[2:])

@@ -1303,8 +1303,8 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_head
     unsupported primitives and layouts before a GPU run does."""
     T, S, L, B = 512, 4, 1024, 3
 
-    def fn(q, k, v, qsl, kv_lens, slots):
-        return attention_mosaic.prefill_attention(
+    def forward(q, k, v, qsl, kv_lens, slots):
+        return api._mosaic_attention(
             q,
             k,
             v,
@@ -1314,40 +1314,18 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_head
             causal=True,
             sm_scale=head_dim**-0.5,
             sliding_window=None,
-            block_sizes=attention_mosaic.BlockSizes(),
+            config=attention_mosaic.BlockSizes(),
         )
 
-    text = lower_for_cuda(
-        fn,
-        spec((T, num_q_heads, head_dim), dtype),
-        spec((S, L, num_kv_heads, head_dim), dtype),
-        spec((S, L, num_kv_heads, head_dim), dtype),
-        spec((B + 1,), jnp.int32),
-        spec((B,), jnp.int32),
-        spec((B,), jnp.int32),
-    )
-    assert "mosaic_gpu" in text
-
     def gradients(q, k, v, qsl, kv_lens, slots, dout):
-        def f(q, k, v):
-            return api._mosaic_attention(
-                q,
-                k,
-                v,
-                query_start_loc=qsl,
-                kv_lens=kv_lens,
-                slot_ids=slots,
-                causal=True,
-                sm_scale=head_dim**-0.5,
-                sliding_window=None,
-                config=attention_mosaic.BlockSizes(),
-            )
-
+        f = functools.partial(forward, qsl=qsl, kv_lens=kv_lens, slots=slots)
         return jax.vjp(f, q, k, v)[1](dout)
 
+    q = spec((T, num_q_heads, head_dim), dtype)
     cache = spec((S, L, num_kv_heads, head_dim), dtype)
     ints = spec((B,), jnp.int32)
-    q = spec((T, num_q_heads, head_dim), dtype)
-    text = lower_for_cuda(gradients, q, cache, cache, spec((B + 1,), jnp.int32), ints, ints, q)
+    batch = (spec((B + 1,), jnp.int32), ints, ints)
+    assert lower_for_cuda(forward, q, cache, cache, *batch).count("custom_call @mosaic_gpu") == 1
+    text = lower_for_cuda(gradients, q, cache, cache, *batch, q)
     # The forward saving lse, dQ and dK/dV are Mosaic kernels.
     assert text.count("custom_call @mosaic_gpu") == 3
