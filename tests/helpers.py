@@ -7,8 +7,9 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from pallas_kernels.backend import Op, supports_mosaic
+from pallas_kernels.backend import Op, backend_for, supports_mosaic
 from pallas_kernels.testing import assert_close_per_row, assert_slots_untouched
 
 
@@ -17,6 +18,18 @@ def implementations(op: Op) -> list[str]:
     off-GPU; Mosaic GPU kernels need a Hopper GPU. A new backend added to an op is tested
     automatically."""
     return sorted(name for name in op.names if name != "mosaic" or supports_mosaic())
+
+
+def skip_if_mosaic_refuses(op: Callable, *args, **kwargs) -> None:
+    """Skips the test, with the reason, when ``op(*args, **kwargs)`` names the ``mosaic``
+    backend and that backend does not serve the call: the Mosaic GPU kernels take only
+    some shapes and dtypes and raise on the others (nothing runs here)."""
+    if kwargs.get("implementation") != "mosaic":
+        return
+    try:
+        backend_for(op, *args, **kwargs)
+    except ValueError as reason:
+        pytest.skip(f"the Mosaic kernel does not serve this call: {reason}")
 
 
 def query_start_loc(lengths: Sequence[int]) -> np.ndarray:

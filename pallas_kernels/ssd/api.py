@@ -12,11 +12,27 @@ from pallas_kernels import _validation as checks
 from pallas_kernels._common import slot_gather_index, slot_scatter_index
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 from pallas_kernels.metadata import ChunkMetadata, max_chunks_for
-from pallas_kernels.ssd import reference, triton
+from pallas_kernels.ssd import mosaic, reference, triton
 
 SSD_SCAN = Op(
     "ssd_scan",
     (
+        Backend(
+            "mosaic",
+            mosaic.ssd_scan,
+            config_type=mosaic.BlockSizes,
+            default_config=lambda *_, **__: mosaic.BlockSizes(),
+            supports=mosaic.supports,
+            check_config=lambda config, x, dt, A, B, C, *, chunk_size, **__: (
+                mosaic.check_block_sizes(
+                    config,
+                    heads_per_group=x.shape[1] // B.shape[1],
+                    chunk_size=chunk_size,
+                    state_dim=B.shape[2],
+                    itemsize=x.dtype.itemsize,
+                )
+            ),
+        ),
         Backend(
             "triton",
             triton.ssd_scan,
@@ -52,7 +68,7 @@ def ssd_scan(
     state_dtype: jnp.dtype = jnp.float32,
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton.BlockSizes | mosaic.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mamba2 SSD prefill over a packed, chunk-aligned variable-length batch.
 
@@ -98,8 +114,8 @@ def ssd_scan(
       validate: check the metadata's data on the host (needs concrete arrays).
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``ssd.triton.BlockSizes``); default: the
-        backend's heuristic.
+      config: the chosen backend's block sizes (``ssd.triton.BlockSizes`` or
+        ``ssd.mosaic.BlockSizes``); default: the backend's heuristic.
 
     Returns:
       ``(y[T, H, P], states)`` with ``states`` of shape ``[B, H, P, N]`` (final; a sequence

@@ -587,11 +587,14 @@ def _forward(
     config: BlockSizes,
     interpret: bool,
     residuals: bool = False,
+    chunk_scan_kernel=None,
 ):
     """The three launches: ``(y, states, saved)``. With ``residuals`` (under
     differentiation), ``saved`` is ``(dt_chunks, cum, carried, cb, y_ssm)`` for the
     backward, with the carried states in fp32 (the chunk scan casts them to C's dtype, so
-    y is the same); else None and the carried states are in C's dtype."""
+    y is the same); else None and the carried states are in C's dtype, and
+    ``chunk_scan_kernel(s, cu, x, C, B, dt_chunks, cum, carried, D, z)``, when given,
+    replaces stages 3a and 3b (``mosaic.chunk_scan``)."""
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
     blocks = config
@@ -617,6 +620,9 @@ def _forward(
         interpret=interpret,
     )
     cu = metadata.cu_chunk_seqlens
+    if chunk_scan_kernel is not None and not residuals:
+        y = chunk_scan_kernel(s, cu, x, C, B, dt_chunks, cum, carried, D, z)
+        return y, states, None
     cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
     y = chunk_scan(
         s,
@@ -647,11 +653,13 @@ def _differentiable(
     state_dtype,
     config: BlockSizes,
     interpret: bool,
+    chunk_scan_kernel,
 ):
     """The scan with its Pallas backward kernels (``ssd/triton_backward.py``), for one set
-    of static options. Outside differentiation it is the plain forward; under it, the
-    forward also returns the backward's residuals (``_forward(residuals=True)``), with the
-    same y and states."""
+    of static options. Outside differentiation it is the plain forward (its chunk scan
+    ``chunk_scan_kernel`` when given); under it, the forward also returns the backward's
+    residuals (``_forward(residuals=True)``, the Triton chunk scan), with the same y and
+    states."""
     options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
@@ -663,7 +671,20 @@ def _differentiable(
 
     @jax.custom_vjp
     def scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata):
-        y, states, _ = _forward(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata, **options)
+        y, states, _ = _forward(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dt_bias,
+            initial_states,
+            metadata,
+            chunk_scan_kernel=chunk_scan_kernel,
+            **options,
+        )
         return y, states
 
     def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata):
@@ -733,10 +754,12 @@ def ssd_scan(
     state_dtype: jnp.dtype,
     config: BlockSizes,
     interpret: bool = False,
+    chunk_scan_kernel=None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
-    backward kernels of ``ssd/triton_backward.py``."""
+    backward kernels of ``ssd/triton_backward.py``. ``chunk_scan_kernel``: the forward's
+    chunk scan outside differentiation (see ``_forward``); None: the Triton one."""
     del chunk_size  # the api checked it is metadata.chunk_size
     scan = _differentiable(
         bool(dt_softplus),
@@ -745,5 +768,6 @@ def ssd_scan(
         jnp.dtype(state_dtype),
         config,
         bool(interpret),
+        chunk_scan_kernel,
     )
     return scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)

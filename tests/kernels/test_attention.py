@@ -46,6 +46,7 @@ from tests.helpers import (
     poison_slots,
     poison_tail,
     query_start_loc,
+    skip_if_mosaic_refuses,
     spec,
 )
 
@@ -156,13 +157,15 @@ def skip_unless_served(batch: AttentionBatch, impl: str, **options) -> None:
     """``mosaic`` (on a Hopper GPU) serves only some batches (bf16/fp16 prefill, head dim
     64 or 128, T and L multiples of 8) and raises on the others: the test is skipped with
     the reason rather than run on another backend."""
-    if impl != "mosaic":
-        return
-    fn = functools.partial(api.masked_tail_attention, implementation=impl, **options)
-    try:
-        pk.backend_for(fn, batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
-    except ValueError as reason:
-        pytest.skip(f"the Mosaic kernel does not serve this batch: {reason}")
+    skip_if_mosaic_refuses(
+        api.masked_tail_attention,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        implementation=impl,
+        **options,
+        **batch.kwargs(),
+    )
 
 
 def run_attention(batch: AttentionBatch, impl: str, **options):

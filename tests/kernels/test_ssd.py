@@ -14,20 +14,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels import chunk_metadata, max_chunks_for, ssd_scan
+from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import api as ssd_api
+from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.testing import assert_close, assert_close_per_row, ssd_oracle
 from tests.helpers import (
     check_out_of_range_slots_are_padding,
     check_slot_cache,
     implementations,
+    lower_for_cuda,
     normal,
     out_of_range_slot_ids,
     poison_slots,
     query_start_loc,
+    skip_if_mosaic_refuses,
+    spec,
 )
 
 IMPLS = implementations(ssd_api.SSD_SCAN)
+GPU_IMPLS = [impl for impl in IMPLS if impl != "xla"]
 F32_TOL, BF16_TOL = 1e-5, 2e-2
 
 
@@ -92,17 +98,11 @@ def make_problem(
 
 
 def run(p: Problem, impl: str, **options):
-    return ssd_scan(
-        p.x,
-        p.dt,
-        p.A,
-        p.B,
-        p.C,
-        metadata=p.metadata(),
-        chunk_size=p.chunk_size,
-        implementation=impl,
-        **options,
-    )
+    """``ssd_scan`` on ``p`` (skipped where the Mosaic kernel does not serve it)."""
+    args = (p.x, p.dt, p.A, p.B, p.C)
+    kwargs = dict(metadata=p.metadata(), chunk_size=p.chunk_size, implementation=impl, **options)
+    skip_if_mosaic_refuses(ssd_scan, *args, **kwargs)
+    return ssd_scan(*args, **kwargs)
 
 
 def oracle(p: Problem, **options):
@@ -489,11 +489,21 @@ def test_argument_errors(change, match):
         ssd_scan(**args)
 
 
-def test_unavailable_implementation_is_a_clear_error():
+def test_unservable_implementation_is_a_clear_error():
+    """The Mosaic kernel asked for by name where it cannot run (off Hopper: the device;
+    on Hopper: fp32 inputs) raises the reason instead of running something else."""
     p = make_problem([4])
-    assert "mosaic" not in ssd_api.SSD_SCAN.names
-    with pytest.raises(ValueError, match="'mosaic' is not available for ssd_scan"):
-        run(p, "mosaic")
+    with pytest.raises(ValueError, match="Hopper|bf16 or fp16"):
+        ssd_scan(
+            p.x,
+            p.dt,
+            p.A,
+            p.B,
+            p.C,
+            metadata=p.metadata(),
+            chunk_size=p.chunk_size,
+            implementation="mosaic",
+        )
     with pytest.raises(ValueError, match="config of type"):
         run(p, "xla", config=ssd_triton.BlockSizes())
 
@@ -559,15 +569,16 @@ def _check_sequences_against_oracle(p: Problem, y, states, seqs, options, rtol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
 @pytest.mark.parametrize("groups", [1, 8])
 @pytest.mark.parametrize("chunk_size", [128, 256])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_real_sizes(groups, chunk_size, dtype):
+def test_gpu_real_sizes(impl, groups, chunk_size, dtype):
     rng = np.random.default_rng(chunk_size + groups)
     lengths = [int(n) for n in rng.integers(1, 1200, size=7)] + [1]
     p = _real_problem(lengths, groups=groups, chunk_size=chunk_size, dtype=dtype)
     options = full_options(p)
-    y, states = run(p, "triton", **options)
+    y, states = run(p, impl, **options)
     with jax.default_matmul_precision("highest"):
         y_xla, states_xla = run(p, "xla", **options)
     rtol = F32_TOL * 10 if dtype == jnp.float32 else BF16_TOL
@@ -579,14 +590,15 @@ def test_gpu_real_sizes(groups, chunk_size, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
 @pytest.mark.parametrize("num_seqs", [1, 64])
-def test_gpu_65k_tokens(num_seqs):
+def test_gpu_65k_tokens(impl, num_seqs):
     rng = np.random.default_rng(num_seqs)
     cuts = np.sort(rng.choice(np.arange(1, 65536), size=num_seqs - 1, replace=False))
     lengths = np.diff(np.r_[0, cuts, 65536]).tolist()
     p = _real_problem(lengths, groups=1, chunk_size=256, dtype=jnp.bfloat16)
     options = dict(D=p.D, dt_bias=p.dt_bias, dt_softplus=True, initial_states=p.initial_states)
-    y, states = run(p, "triton", **options)
+    y, states = run(p, impl, **options)
     with jax.default_matmul_precision("highest"):
         y_xla, states_xla = run(p, "xla", **options)
     assert_close(y, y_xla, rtol=BF16_TOL, name="y vs xla")
@@ -597,12 +609,14 @@ def test_gpu_65k_tokens(num_seqs):
 
 
 @pytest.mark.gpu
-def test_gpu_headdim_80_dstate_256():
+@pytest.mark.parametrize("impl", ["triton", "auto"])
+def test_gpu_headdim_80_dstate_256(impl):
+    """``auto`` routes what the Mosaic kernel does not take (head dim 80) to Triton."""
     p = _real_problem(
         [700, 1, 333], groups=2, chunk_size=256, dtype=jnp.bfloat16, head_dim=80, state_dim=256
     )
     options = full_options(p)
-    y, states = run(p, "triton", return_intermediate_states=False, **options)
+    y, states = run(p, impl, return_intermediate_states=False, **options)
     _check_sequences_against_oracle(p, y, states, [0, 1, 2], options, BF16_TOL)
 
 
@@ -616,3 +630,91 @@ def test_gpu_offsets_past_2_to_the_31():
     y, states = run(p, "triton", **options)
     assert p.x.size > 2**31
     _check_sequences_against_oracle(p, y, states, [1], options, BF16_TOL)
+
+
+# ------------------------------------------------------------- the Mosaic GPU chunk scan
+
+
+def _mosaic_args(*, T=1024, H=8, P=64, G=2, N=128, chunk_size=256, dtype=jnp.bfloat16):
+    x, B = jnp.zeros((T, H, P), dtype), jnp.zeros((T, G, N), dtype)
+    return (x, jnp.zeros((T, H), jnp.float32), jnp.zeros((H,), jnp.float32), B, B), dict(
+        chunk_size=chunk_size
+    )
+
+
+def test_mosaic_supports_what_its_tiles_take():
+    """bf16/fp16 with head dim 64, state dims 64/128/256 and chunks of 128/256 rows within
+    the shared memory of a block; ``supports`` names the reason for everything else."""
+    for options in (dict(), dict(dtype=jnp.float16, N=64), dict(chunk_size=128, N=256)):
+        args, kwargs = _mosaic_args(**options)
+        assert ssd_mosaic.supports(*args, **kwargs) is None, options
+    for options, reason in (
+        (dict(dtype=jnp.float32), "bf16 or fp16"),
+        (dict(P=80), "head dim 80"),
+        (dict(N=96), "state dim 96"),
+        (dict(chunk_size=64), "chunk_size=64"),
+        (dict(N=256), "shared memory"),  # chunk 256 with N 256: 284 KiB
+    ):
+        args, kwargs = _mosaic_args(**options)
+        assert reason in ssd_mosaic.supports(*args, **kwargs), options
+    args, kwargs = _mosaic_args()
+    x, dt, A, B, C = args
+    assert "dtype" in ssd_mosaic.supports(x, dt, A, B, C.astype(jnp.float16), **kwargs)
+
+
+def test_mosaic_block_sizes_are_checked():
+    sizes = dict(chunk_size=256, state_dim=128, itemsize=2)
+    assert ssd_mosaic.default_heads_per_block(128) == 16
+    assert ssd_mosaic.default_heads_per_block(12) == 12
+    assert ssd_mosaic.default_heads_per_block(34) == 2
+    ssd_mosaic.check_block_sizes(
+        ssd_mosaic.BlockSizes(heads_per_block=4), heads_per_group=8, **sizes
+    )
+    with pytest.raises(ValueError, match="heads_per_block=3"):
+        ssd_mosaic.check_block_sizes(
+            ssd_mosaic.BlockSizes(heads_per_block=3), heads_per_group=8, **sizes
+        )
+    with pytest.raises(ValueError, match="num_stages=3"):
+        ssd_mosaic.check_block_sizes(
+            ssd_mosaic.BlockSizes(num_stages=3), heads_per_group=8, **sizes
+        )
+    with pytest.raises(ValueError, match="heads_per_block"):
+        ssd_mosaic.BlockSizes(heads_per_block=0)
+
+
+@pytest.mark.parametrize("chunk_size, gated", [(256, True), (128, False)])
+def test_mosaic_chunk_scan_lowers_for_cuda(chunk_size, gated):
+    """The Mosaic GPU kernel lowers (layouts, transforms, barriers) without a GPU: chunk
+    256 with D and z (two blocks per chunk), chunk 128 without either; exactly one Mosaic
+    kernel beside the Triton state scan, and no Triton chunk scan."""
+    T, H, G, N, num_seqs = 1024, 8, 2, 128, 3
+    max_chunks = max_chunks_for(T, num_seqs, chunk_size)
+
+    def scan(x, dt, A, B, C, D, z, cu, seq, last, num):
+        metadata = ChunkMetadata(cu, seq, last, num, chunk_size=chunk_size)
+        return ssd_mosaic.ssd_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size=chunk_size,
+            config=ssd_mosaic.BlockSizes(),
+            metadata=metadata,
+            D=D,
+            z=z,
+            dt_bias=None,
+            dt_softplus=True,
+            dt_limit=(0.0, math.inf),
+            initial_states=None,
+            return_intermediate_states=False,
+            state_dtype=jnp.float32,
+        )
+
+    f32, i32 = jnp.float32, jnp.int32
+    args = [spec((T, H, 64)), spec((T, H), f32), spec((H,), f32), spec((T, G, N)), spec((T, G, N))]
+    args += [spec((H,), f32) if gated else None, spec((T, H, 64)) if gated else None]
+    args += [spec((max_chunks + 1,), i32), spec((max_chunks,), i32), spec((num_seqs,), i32)]
+    text = lower_for_cuda(scan, *args, spec((), i32))
+    assert text.count("mosaic_gpu") >= 1
+    assert "ssd_state_scan" in text and "ssd_chunk_scan" not in text and "ssd_chunk_cb" not in text

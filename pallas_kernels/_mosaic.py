@@ -1,0 +1,48 @@
+"""Pieces shared by the Mosaic GPU (Hopper: wgmma, TMA) kernels of every op."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Register split of a block of two consumer warpgroups and one producer (65,536 registers
+# / 384 threads): the consumers hold the fp32 accumulators, the producer only issues copies.
+CONSUMER_REGISTERS: Final = 232
+PRODUCER_REGISTERS: Final = 40
+# 128-byte swizzle of 64-element (16-bit) rows: the wgmma operand layout of shared tiles.
+SWIZZLE_BYTES: Final = 128
+# Rows of a swizzled tile: TMA copies into tiled shared memory start at multiples of it.
+TMA_ROWS: Final = 8
+
+
+def swizzled_tiles(dtype) -> tuple[plgpu.Transform, ...]:
+    """Transforms of a shared-memory tile that wgmma reads: 8-row tiles of 128-byte rows,
+    128-byte swizzle."""
+    width = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((TMA_ROWS, width)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+
+
+def store_rows(tile, out_ref, *, row0, first, live, head, wait: bool = True) -> None:
+    """TMA-stores rows ``[first, first + live)`` of a staged ``tile[rows, D]`` (committed,
+    not tiled) to ``out_ref[row0 + first:, head]``. TMA boxes are static: the live rows go
+    out as a sum of powers of two. ``wait``: wait for the reads of ``tile``; else the
+    copies form one bulk group, for the caller to wait on before it rewrites the tile."""
+    start = first
+    size = tile.shape[0]
+    while size >= 1:
+        take = (live & size) != 0
+        plgpu.copy_smem_to_gmem(
+            tile.at[pl.ds(start, size)],
+            out_ref.at[pl.ds(row0 + start, size), head],
+            predicate=take,
+            commit_group=wait,
+        )
+        start = start + jnp.where(take, size, 0)
+        size //= 2
+    if wait:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    else:
+        plgpu.commit_smem_to_gmem_group()

@@ -1,0 +1,521 @@
+"""The SSD chunk scan as a Pallas Mosaic GPU kernel (Hopper: wgmma, TMA).
+
+Stage 3 of the scan (``triton.py``'s module docstring names the stages) on the tensor
+cores: for each chunk ``c`` and head ``h`` of the chunk-aligned varlen layout,
+
+    y_i = exp(cum_i) C_i · s_c  +  Σ_{j ≤ i} (C_i · B_j) exp(cum_i − cum_j) dt'_j x_j
+
+then the D skip and the z gate; ``s_c`` (the state entering the chunk), ``dt'`` and the
+within-chunk cumulative decay ``cum`` come from the Triton state scan, unchanged.
+
+One thread block per (chunk, block of heads of one B/C group), FlashAttention-3's layout
+(Shah et al., arXiv 2407.08608): a producer warpgroup TMA-copies the chunk's C and B
+tiles once, then each head's x tile, carried state, dt' and cum into a ring of
+shared-memory slots; two consumer warpgroups own the chunk's 64-row blocks (of a 256-row
+chunk, consumer 0 rows blocks 0 and 3, consumer 1 blocks 1 and 2: 1 + 4 and 2 + 3
+column blocks, equal work). Each consumer computes its rows of ``C Bᵀ`` once per block
+with wgmma, zeroes the causal and past-the-chunk entries there, and keeps them in
+registers (bf16, as the Triton path's ``cb``) for all heads of the block: the group's
+``C Bᵀ`` is shared by its heads, so it is neither recomputed per head nor re-read from
+memory. Per head: ``C·sᵀ`` and ``W x`` (``W = masked C Bᵀ ∘ exp(cum_i − cum_j) dt'_j``
+built in registers, the wgmma A operand) accumulate in fp32 registers.
+
+Chunks start at any packed row. TMA into tiled shared memory needs tile-aligned rows, so
+the producer copies C, B and x through swizzle-only views (``plgpu.RefUnion``) of the
+tiles that wgmma reads: a tile of 64 16-bit columns is laid out identically either way.
+A short chunk's tiles hold the next rows of the packed batch (another sequence, or bucket
+rows, NaN in tests): ``C Bᵀ`` is selected to 0 past the chunk, and the consumers zero
+those x rows in shared memory (``0 × NaN`` would be NaN), so nothing past a chunk reaches
+its outputs; y goes out through TMA stores of exactly the chunk's rows. Padding chunks
+exit at once; a few extra blocks zero the bucket rows no chunk owns.
+
+Covers bf16/fp16 x, B, C (one dtype), head dim 64, state dims 64/128/256 and chunk sizes
+128/256 within the shared-memory budget (:func:`supports`); the rest, and the
+differentiated forward (whose residuals the Triton chunk scan writes), run on Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._common import decay_factor, silu
+from pallas_kernels._mosaic import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    SWIZZLE_BYTES,
+    store_rows,
+    swizzled_tiles,
+)
+from pallas_kernels.ssd import triton
+
+_CONSUMERS: Final = 2
+_ROWS: Final = 64  # rows of a wgmma block; a chunk is chunk_size // _ROWS of them
+_BLOCK_ROWS: Final = _CONSUMERS * _ROWS  # rows of a chunk one thread block computes
+_COLUMNS: Final = 64  # 16-bit columns of a swizzled tile (128 bytes)
+_HEAD_DIM: Final = 64
+_CHUNK_SIZES: Final = (128, 256)
+_STATE_DIMS: Final = (64, 128, 256)
+# Blocks past the chunks that zero the bucket rows no chunk owns.
+_TAIL_BLOCKS: Final = 2
+# Opt-in shared memory of a Hopper thread block (227 KiB), less room for the barriers.
+_SMEM_BUDGET: Final = 227 * 1024 - 1024
+_MAX_HEADS_PER_BLOCK: Final = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling of the Mosaic GPU chunk-scan kernel."""
+
+    # Heads of one group a thread block walks, reusing the chunk's C, B and C·Bᵀ. None:
+    # default_heads_per_block; else it must divide the heads per group.
+    heads_per_block: int | None = None
+    num_stages: int = 2  # slots of the per-head TMA ring
+
+    def __post_init__(self):
+        if self.heads_per_block is not None and self.heads_per_block < 1:
+            raise ValueError(f"heads_per_block={self.heads_per_block} must be >= 1")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def default_heads_per_block(heads_per_group: int) -> int:
+    """The most heads, at most 16, that divide the heads per group (16 against 8: 0.73 and
+    0.78 ms for the bamba-uniform chunk scan on an H200, 0.43 and 0.47 for nemotronh-ragged)."""
+    return max(d for d in range(1, _MAX_HEADS_PER_BLOCK + 1) if heads_per_group % d == 0)
+
+
+def _smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> int:
+    """Shared memory of one block: its rows of C, the chunk's B and then in its place the
+    per-head ring, C·Bᵀ, the dt'/cum/D vectors and the consumers' output tiles."""
+    c_tile = _BLOCK_ROWS * state_dim * itemsize
+    b_tile = chunk_size * state_dim * itemsize
+    per_head = (chunk_size * _HEAD_DIM + _HEAD_DIM * state_dim) * itemsize
+    cb = _cb_blocks(chunk_size) * _ROWS * _ROWS * itemsize
+    vectors = num_stages * (2 * chunk_size + _HEAD_DIM) * 4
+    staging = 2 * _CONSUMERS * _ROWS * _HEAD_DIM * itemsize
+    return c_tile + max(b_tile, num_stages * per_head) + cb + vectors + staging
+
+
+def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
+    """Why the Mosaic GPU chunk scan cannot take this call (None: it can). Static facts
+    only: shapes and dtypes."""
+    del dt, A
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"x is {x.dtype}; the wgmma kernel takes bf16 or fp16"
+    if B.dtype != x.dtype or C.dtype != x.dtype or (z is not None and z.dtype != x.dtype):
+        return f"B, C (and z) must have x's dtype {x.dtype}"
+    if x.shape[2] != _HEAD_DIM:
+        return f"head dim {x.shape[2]} is not {_HEAD_DIM}"
+    if B.shape[2] not in _STATE_DIMS:
+        return f"state dim {B.shape[2]} is not one of {_STATE_DIMS}"
+    if chunk_size not in _CHUNK_SIZES:
+        return f"chunk_size={chunk_size} is not one of {_CHUNK_SIZES}"
+    need = _smem_bytes(
+        chunk_size=chunk_size,
+        state_dim=B.shape[2],
+        num_stages=BlockSizes().num_stages,
+        itemsize=x.dtype.itemsize,
+    )
+    if need > _SMEM_BUDGET:
+        return (
+            f"chunk_size={chunk_size} with state dim {B.shape[2]} needs {need} B of shared memory"
+        )
+    return None
+
+
+def check_block_sizes(config: BlockSizes, *, heads_per_group: int, **sizes) -> None:
+    """``heads_per_block`` must divide the heads per group; the ring must fit."""
+    if config.heads_per_block is not None and heads_per_group % config.heads_per_block:
+        raise ValueError(
+            f"config.heads_per_block={config.heads_per_block} must divide the "
+            f"heads per group H / G = {heads_per_group}"
+        )
+    need = _smem_bytes(num_stages=config.num_stages, **sizes)
+    if need > _SMEM_BUDGET:
+        raise ValueError(
+            f"config.num_stages={config.num_stages} needs {need} B of shared memory "
+            f"(at most {_SMEM_BUDGET})"
+        )
+
+
+def _cb_blocks(chunk_size: int) -> int:
+    """64 × 64 blocks of C·Bᵀ a thread block keeps: its two row blocks' causal ones, at
+    most those of a chunk's last two row blocks."""
+    last = chunk_size // _ROWS - 1
+    return last + (last + 1) if last >= 1 else 1
+
+
+def _kernel(
+    *refs, has_D: bool, has_z: bool, heads_per_group: int, heads_per_block: int, num_stages: int
+):
+    cu_ref, x_ref, C_ref, B_ref, dt_ref, cum_ref, carried_ref, *rest = refs
+    D_ref = rest.pop(0) if has_D else None
+    z_ref = rest.pop(0) if has_z else None
+    (y_ref,) = rest
+    chunk_size = dt_ref.shape[2]
+    state_tiles = C_ref.shape[2] // _COLUMNS
+    max_chunks = cu_ref.shape[0] - 1
+    num_halves = chunk_size // _BLOCK_ROWS
+    dtype, f32 = x_ref.dtype, jnp.float32
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_vector, column_vector = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    block_shape = (_ROWS, _COLUMNS)
+
+    def iota(dim):
+        return plgpu.broadcasted_iota(jnp.int32, block_shape, dim, layout=wgmma_layout)
+
+    def body(
+        c_views,
+        ring_views,
+        cb_smem,
+        dt_smem,
+        cum_smem,
+        d_smem,
+        out_views,
+        c_full,
+        b_full,
+        cb_done,
+        x_full,
+        s_full,
+        dt_full,
+        cum_full,
+        d_full,
+        zeroed,
+        free,
+        z_full,
+    ):
+        c_tiles, c_flat = c_views
+        out_tiles, out_flat, out_rows = out_views
+        b_tiles, b_flat, (x_tiles, s_tiles), x_flat = ring_views
+        chunk = lax.axis_index("chunk")
+        half = lax.axis_index("half")
+        h0 = lax.axis_index("heads") * heads_per_block
+        group = lax.div(h0, heads_per_group)
+        wg = lax.axis_index("wg")
+        is_chunk = chunk < max_chunks
+        c = jnp.minimum(chunk, max_chunks - 1)
+        start = cu_ref[c]
+        length = jnp.where(is_chunk, cu_ref[c + 1] - start, 0)
+        # The block's rows [row_lo, row_lo + 128) of the chunk: consumer k's row block is
+        # 2 * half + k, which sees the chunk's column blocks [0, 2 * half + k].
+        row_lo = half * _BLOCK_ROWS
+        works = length > row_lo
+        chunk_rows = pl.ds(start, chunk_size)
+
+        @pl.when((wg == _CONSUMERS) & works)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            for t in range(state_tiles):
+                columns = pl.ds(t * _COLUMNS, _COLUMNS)
+                block_rows = pl.ds(start + row_lo, _BLOCK_ROWS)
+                plgpu.copy_gmem_to_smem(
+                    C_ref.at[block_rows, group, columns], c_flat.at[t], c_full.at[t]
+                )
+                plgpu.copy_gmem_to_smem(
+                    B_ref.at[chunk_rows, group, columns], b_flat.at[t], b_full.at[t]
+                )
+            # The ring reuses B's shared memory: it fills once C·Bᵀ is computed.
+            plgpu.barrier_wait(cb_done)
+
+            def load(i, slot):
+                h = h0 + i
+                plgpu.copy_gmem_to_smem(x_ref.at[chunk_rows, h], x_flat.at[slot], x_full.at[slot])
+                plgpu.copy_gmem_to_smem(carried_ref.at[c, h], s_tiles.at[slot], s_full.at[slot])
+                plgpu.copy_gmem_to_smem(dt_ref.at[h, c], dt_smem.at[slot], dt_full.at[slot])
+                plgpu.copy_gmem_to_smem(cum_ref.at[h, c], cum_smem.at[slot], cum_full.at[slot])
+                if has_D:
+                    plgpu.copy_gmem_to_smem(D_ref.at[h], d_smem.at[slot], d_full.at[slot])
+
+            for i in range(min(num_stages, heads_per_block)):  # the ring's first fill
+                load(i, i)
+
+            @pl.loop(num_stages, heads_per_block)
+            def _steady(i):
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(free.at[slot])
+                load(i, slot)
+
+        @pl.when((wg < _CONSUMERS) & works)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            k = wg
+            b = 2 * half + k  # the consumer's row block of the chunk
+            rows_b = pl.ds(k * _ROWS, _ROWS)  # of the block's C tile
+            cb_first = k * (2 * half + 1)  # consumer 1's C·Bᵀ blocks follow consumer 0's
+            live = jnp.clip(length - b * _ROWS, 0, _ROWS)
+            for t in range(state_tiles):
+                plgpu.barrier_wait(c_full.at[t])
+                plgpu.barrier_wait(b_full.at[t])
+
+            # The row block's C·Bᵀ, causal and in-chunk entries only (the rest selected
+            # to 0: past the chunk B holds other rows), kept for every head.
+            @pl.loop(0, b + 1)
+            def _cb(jb):
+                def product(acc_ref):
+                    for t in range(state_tiles):
+                        plgpu.wgmma(
+                            acc_ref,
+                            c_tiles.at[t, rows_b],
+                            b_tiles.at[t, pl.ds(jb * _ROWS, _ROWS)].T,
+                        )
+                    return acc_ref[...]
+
+                value = pl.run_scoped(product, plgpu.ACC(block_shape, f32))
+                column = jb * _ROWS + iota(1)
+                keep = (column < length) & (b * _ROWS + iota(0) >= column)
+                cb_smem.at[cb_first + jb][...] = jnp.where(keep, value, 0.0).astype(dtype)
+
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(cb_done)
+
+            def head(i, carry):
+                slot = lax.rem(i, num_stages)
+                h = h0 + i
+                x_tile = x_tiles.at[slot]
+                plgpu.barrier_wait(x_full.at[slot])
+
+                @pl.when(length < chunk_size)
+                def _zero_past_chunk():
+                    # x rows past the chunk that this block reads (column blocks up to
+                    # 2 * half + 1, split between the consumers): W is 0 there, but
+                    # 0 × NaN is not.
+                    for jb in range(chunk_size // _ROWS):
+
+                        @pl.when((lax.rem(jb, 2) == k) & (jb <= 2 * half + 1))
+                        def _zero(jb=jb):
+                            tile = x_tile.at[pl.ds(jb * _ROWS, _ROWS)]
+                            v = plgpu.load(tile, layout=wgmma_layout)
+                            keep = jb * _ROWS + iota(0) < length
+                            tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(zeroed.at[slot])
+                    plgpu.barrier_wait(zeroed.at[slot])
+
+                plgpu.barrier_wait(s_full.at[slot])
+                plgpu.barrier_wait(dt_full.at[slot])
+                plgpu.barrier_wait(cum_full.at[slot])
+                if has_D:
+                    plgpu.barrier_wait(d_full.at[slot])
+                # Output tiles alternate, one bulk store group per head: a tile is
+                # rewritten once the store from it two heads ago has read it.
+                out_slot = lax.rem(i, 2)
+
+                @pl.when(live <= 0)
+                def _no_rows():
+                    plgpu.commit_smem_to_gmem_group()  # an empty group keeps the count
+
+                @pl.when(live > 0)
+                def _row_block():
+                    row0 = start + b * _ROWS
+                    out_tile = out_tiles.at[k, out_slot]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    if has_z:  # into the output tile; lands while the products run
+                        plgpu.copy_gmem_to_smem(
+                            z_ref.at[pl.ds(row0, _ROWS), h], out_flat.at[k, out_slot], z_full.at[k]
+                        )
+                    cum_i = plgpu.load(
+                        cum_smem.at[slot, pl.ds(b * _ROWS, _ROWS)], layout=row_vector
+                    )
+
+                    def from_state(acc_ref):
+                        for t in range(state_tiles):
+                            state_t = s_tiles.at[slot, :, pl.ds(t * _COLUMNS, _COLUMNS)]
+                            plgpu.wgmma(acc_ref, c_tiles.at[t, rows_b], state_t.T)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(from_state, plgpu.ACC(block_shape, f32))
+                    acc = acc * lax.broadcast_in_dim(decay_factor(cum_i), block_shape, [0])
+
+                    def column_block(jb, acc):
+                        columns = pl.ds(jb * _ROWS, _ROWS)
+                        cum_j = plgpu.load(cum_smem.at[slot, columns], layout=column_vector)
+                        dt_j = plgpu.load(dt_smem.at[slot, columns], layout=column_vector)
+                        decay = decay_factor(
+                            lax.broadcast_in_dim(cum_i, block_shape, [0])
+                            - lax.broadcast_in_dim(cum_j, block_shape, [1])
+                        )
+                        cb = plgpu.load(cb_smem.at[cb_first + jb], layout=wgmma_layout)
+                        w = cb.astype(f32) * decay * lax.broadcast_in_dim(dt_j, block_shape, [1])
+
+                        def product(acc_ref):
+                            plgpu.wgmma(acc_ref, w.astype(dtype), x_tile.at[columns])
+
+                        return pl.run_state(product)(plgpu.ACC.init(acc))
+
+                    acc = lax.fori_loop(0, b + 1, column_block, acc)
+                    if has_D:
+                        x_i = plgpu.load(x_tile.at[pl.ds(b * _ROWS, _ROWS)], layout=wgmma_layout)
+                        d = plgpu.load(d_smem.at[slot], layout=column_vector)
+                        acc = acc + x_i.astype(f32) * lax.broadcast_in_dim(d, block_shape, [1])
+                    if has_z:
+                        plgpu.barrier_wait(z_full.at[k])
+                        gate = plgpu.load(out_tile, layout=wgmma_layout).astype(f32)
+                        acc = acc * silu(gate)
+                    y = acc.astype(dtype)
+
+                    @pl.when(live == _ROWS)
+                    def _whole_block():  # one swizzled 64-row store, at any row
+                        out_tile[...] = y
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_flat.at[k, out_slot], y_ref.at[pl.ds(row0, _ROWS), h]
+                        )
+
+                    @pl.when(live < _ROWS)
+                    def _chunk_end():  # the chunk's last rows, through the store ladder
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        tile = out_rows.at[k, out_slot]
+                        tile[...] = y
+                        plgpu.commit_smem()
+                        store_rows(tile, y_ref, row0=row0, first=0, live=live, head=h, wait=False)
+
+                plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            lax.fori_loop(0, heads_per_block, head, None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(~is_chunk & (wg < _CONSUMERS))
+        def _tail():
+            # Bucket rows [total, T) no chunk owns: zeros, in 64-row stores spread over the
+            # tail blocks' consumers (a store past T is clipped by the TMA unit).
+            total = cu_ref[max_chunks]
+            zeros = out_rows.at[wg, 0]
+            zeros[...] = plgpu.layout_cast(jnp.zeros(block_shape, dtype), wgmma_layout)
+            plgpu.commit_smem()
+            workers = _TAIL_BLOCKS * num_halves * _CONSUMERS
+            worker = ((chunk - max_chunks) * num_halves + half) * _CONSUMERS + wg
+            num_pieces = lax.div(y_ref.shape[0] - total + _ROWS - 1, _ROWS)
+
+            @pl.loop(worker, num_pieces, step=workers)
+            def _zero(piece):
+                for i in range(heads_per_block):
+                    plgpu.copy_smem_to_gmem(
+                        zeros, y_ref.at[pl.ds(total + piece * _ROWS, _ROWS), h0 + i]
+                    )
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    tiles = swizzled_tiles(dtype)
+    flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
+    state_dim = C_ref.shape[2]
+    pl.run_scoped(
+        body,
+        # The block's 128 rows of C: tiles for wgmma, aliased by a swizzle-only view that
+        # TMA copies into at any row.
+        plgpu.RefUnion(
+            plgpu.SMEM((state_tiles, _BLOCK_ROWS, _COLUMNS), dtype, transforms=tiles),
+            plgpu.SMEM((state_tiles, _BLOCK_ROWS, _COLUMNS), dtype, transforms=flat),
+        ),
+        # The chunk's B (for C·Bᵀ only), then the per-head ring of x tiles and carried
+        # states in its place.
+        plgpu.RefUnion(
+            plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=tiles),
+            plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=flat),
+            (
+                plgpu.SMEM((num_stages, chunk_size, _HEAD_DIM), dtype, transforms=tiles),
+                plgpu.SMEM((num_stages, _HEAD_DIM, state_dim), dtype, transforms=tiles),
+            ),
+            plgpu.SMEM((num_stages, chunk_size, _HEAD_DIM), dtype, transforms=flat),
+        ),
+        plgpu.SMEM((_cb_blocks(chunk_size), _ROWS, _ROWS), dtype, transforms=tiles),
+        plgpu.SMEM((num_stages, chunk_size), f32),
+        plgpu.SMEM((num_stages, chunk_size), f32),
+        plgpu.SMEM((num_stages, _HEAD_DIM), f32) if has_D else None,
+        # Per consumer, two output tiles: swizzled (wgmma layout stores), their
+        # swizzle-only view (a TMA store at any row) and an unswizzled view (the store
+        # ladder of a chunk's last rows).
+        plgpu.RefUnion(
+            plgpu.SMEM((_CONSUMERS, 2, _ROWS, _HEAD_DIM), dtype, transforms=tiles),
+            plgpu.SMEM((_CONSUMERS, 2, _ROWS, _HEAD_DIM), dtype, transforms=flat),
+            plgpu.SMEM((_CONSUMERS, 2, _ROWS, _HEAD_DIM), dtype),
+        ),
+        plgpu.Barrier(num_barriers=state_tiles),
+        plgpu.Barrier(num_barriers=state_tiles),
+        plgpu.Barrier(num_arrivals=_CONSUMERS),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages) if has_D else None,
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=_CONSUMERS) if has_z else None,
+        collective_axes="wg",
+    )
+
+
+def chunk_scan(
+    s: triton.ScanShapes,
+    cu: jax.Array,
+    x: jax.Array,
+    C: jax.Array,
+    B: jax.Array,
+    dt_chunks: jax.Array,
+    cum: jax.Array,
+    carried: jax.Array,
+    D: jax.Array | None,
+    z: jax.Array | None,
+    *,
+    config: BlockSizes,
+) -> jax.Array:
+    """Stage 3 on the tensor cores: ``y[T, H, P]`` in x's dtype from the state scan's
+    ``dt_chunks``, ``cum[H, max_chunks, chunk_size]`` and ``carried[max_chunks, H, P, N]``
+    (in C's dtype); ``D[H, P]`` fp32 or None; bucket rows past the chunks zeroed."""
+    heads_per_group = s.heads // s.groups
+    heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
+    check_block_sizes(
+        config,
+        heads_per_group=heads_per_group,
+        chunk_size=s.chunk_size,
+        state_dim=s.state_dim,
+        itemsize=x.dtype.itemsize,
+    )
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            has_D=D is not None,
+            has_z=z is not None,
+            heads_per_group=heads_per_group,
+            heads_per_block=heads_per_block,
+            num_stages=config.num_stages,
+        ),
+        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        # The last axis varies fastest: the head blocks of a chunk run side by side and
+        # share its C and B in L2.
+        grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // _BLOCK_ROWS, s.heads // heads_per_block),
+        grid_names=("chunk", "half", "heads"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+    )
+    operands = [a for a in (D, z) if a is not None]
+    return kernel(cu, x, C, B, dt_chunks, cum, carried, *operands)
+
+
+def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
+    """See :func:`pallas_kernels.ssd_scan`; arguments are already validated and
+    :func:`supports` takes the call. The Triton state scan, then this chunk scan; under
+    differentiation the Triton forward (it writes the backward's residuals) and backward."""
+    return triton.ssd_scan(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size=chunk_size,
+        config=triton.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
+        chunk_scan_kernel=functools.partial(chunk_scan, config=config),
+        **options,
+    )
