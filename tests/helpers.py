@@ -20,6 +20,14 @@ def implementations(op: Op) -> list[str]:
     return sorted(name for name in op.names if name != "mosaic" or supports_mosaic())
 
 
+def tiled_implementations(op: Op) -> list[str]:
+    """:func:`implementations` less ``mosaic``, for tests of tiny fp32 problems: the Mosaic
+    GPU kernels take bf16/fp16 at real tile sizes only (attention: head dims 64/128;
+    ``ssd_scan``: head dim 64, chunks of 128 or 256 rows), which their GPU real-size
+    tests and the CPU lowering tests cover."""
+    return [name for name in implementations(op) if name != "mosaic"]
+
+
 def skip_if_mosaic_refuses(op: Callable, *args, **kwargs) -> None:
     """Skips the test, with the reason, when ``op(*args, **kwargs)`` names the ``mosaic``
     backend and that backend does not serve the call: the Mosaic GPU kernels take only

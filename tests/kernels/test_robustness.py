@@ -37,15 +37,17 @@ from tests.helpers import (
     fast_compile_env,
     implementations,
     query_start_loc,
+    tiled_implementations,
 )
 
-SSD_IMPLS = implementations(ssd_api.SSD_SCAN)
+# The Mosaic chunk scan takes bf16/fp16 at real tile sizes: GPU tests in test_ssd.py.
+SSD_IMPLS = tiled_implementations(ssd_api.SSD_SCAN)
 STATE_UPDATE_IMPLS = implementations(state_update_api.SELECTIVE_STATE_UPDATE)
 CONV_IMPLS = implementations(conv1d_api.CAUSAL_CONV1D)
 CONV_UPDATE_IMPLS = implementations(conv1d_api.CAUSAL_CONV1D_UPDATE)
 # Mosaic serves only bf16/fp16 prefill at head dims 64/128 (not these tiny fp32 batches,
 # nor T = 0, which is decode-shaped); its NaN behaviour has a test of its own below.
-ATTENTION_IMPLS = [i for i in implementations(attention_api.MASKED_TAIL_ATTENTION) if i != "mosaic"]
+ATTENTION_IMPLS = tiled_implementations(attention_api.MASKED_TAIL_ATTENTION)
 WRITE_KV_IMPLS = implementations(attention_api.WRITE_KV)
 NORM_IMPLS = implementations(norm_api.GATED_RMS_NORM)
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -29,16 +29,16 @@ from pallas_kernels.ssd import triton_backward as ssd_backward
 from pallas_kernels.testing import assert_close, relative_error, ssd_oracle, vjp_errors
 from tests.helpers import (
     as_f32,
-    implementations,
     lower_for_cuda,
     normal,
     pallas_call_names,
     primitives_outside_kernels,
     query_start_loc,
     spec,
+    tiled_implementations,
 )
 
-IMPLS = implementations(ssd_api.SSD_SCAN)
+IMPLS = tiled_implementations(ssd_api.SSD_SCAN)
 NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
 # Error against the float64 finite differences (Cauchy–Schwarz-normalised, see
 # ``vjp_errors``): fp32 rounding of the kernels' sums is ~1e-7; a wrong term is O(1).
