@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import decay_factor, silu
+from pallas_kernels._common import decay_factor, process_dt, silu
 from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
@@ -454,6 +454,298 @@ def _kernel(
     )
 
 
+# ------------------------------------------------------------------- stage 1: the states
+
+_STEP_ROWS: Final = 128  # chunk rows per state-scan step (a chunk is 1 or 2 steps)
+_STATE_DIMS_OF_STATE_SCAN: Final = (64, 128)
+
+
+def state_scan_supports(*, heads_per_group: int, state_dim: int, intermediate: bool) -> bool:
+    """Whether the Mosaic state scan takes the call (else the Triton one runs): final
+    states only, head pairs within a group, state dims that leave two ring slots in
+    shared memory."""
+    return (
+        not intermediate
+        and heads_per_group % _CONSUMERS == 0
+        and state_dim in _STATE_DIMS_OF_STATE_SCAN
+    )
+
+
+def chunk_decay_inputs(s: triton.ScanShapes, metadata, dt, A, dt_bias, *, dt_softplus, dt_limit):
+    """``(dt'[H, max_chunks, cs], cum[H, max_chunks, cs])`` in fp32, what the Triton state
+    scan writes: each chunk's rows gathered from ``dt[T, H]``, processed, 0 past its end,
+    and their cumulative ``dt' A`` within the chunk (constant past the end)."""
+    cu = metadata.cu_chunk_seqlens
+    rows = jnp.arange(s.chunk_size, dtype=jnp.int32)
+    index = cu[:-1, None] + rows  # [max_chunks, cs]
+    live = rows < (cu[1:] - cu[:-1])[:, None]
+    dt_rows = dt[jnp.clip(index, 0, dt.shape[0] - 1)].astype(jnp.float32)  # [max_chunks, cs, H]
+    dt_rows = process_dt(dt_rows, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    dt_chunks = jnp.where(live[..., None], dt_rows, 0.0).transpose(2, 0, 1)
+    cum = jnp.cumsum(dt_chunks * A.astype(jnp.float32)[:, None, None], axis=-1)
+    return dt_chunks, cum
+
+
+def _state_scan_kernel(
+    order_ref,  # [B] int32: the sequences, longest first
+    first_ref,  # [B] int32: each sequence's first chunk
+    count_ref,  # [B] int32: its number of chunks
+    cu_ref,  # [max_chunks + 1] int32
+    x_ref,  # [T, H, P]
+    B_ref,  # [T, G, N]
+    weight_ref,  # [H, max_chunks, cs] fp32: exp(cum_end - cum_j) dt'_j
+    decay_ref,  # [H, max_chunks] fp32: exp(cum_end), the chunk's decay
+    *rest,  # initial_ref [B, H, P, N] (if given), carried_ref, final_ref
+    has_initial: bool,
+    heads_per_group: int,
+):
+    initial_ref = rest[0] if has_initial else None
+    carried_ref, final_ref = rest[-2:]
+    chunk_size = weight_ref.shape[2]
+    steps_per_chunk = chunk_size // _STEP_ROWS
+    state_dim = B_ref.shape[2]
+    state_tiles = state_dim // _COLUMNS
+    dtype, f32 = x_ref.dtype, jnp.float32
+    wgmma_layout = plgpu.Layout.WGMMA
+    num_stages = 2
+    tile_shape = (_ROWS, _COLUMNS)
+
+    def body(b_views, x_views, w_smem, out_views, b_full, x_full, w_full, zeroed, free, init_full):
+        b_tiles, b_flat = b_views
+        x_tiles, x_flat = x_views
+        out_tiles, out_final = out_views
+        b = order_ref[lax.axis_index("seq")]
+        h0 = lax.axis_index("heads") * _CONSUMERS
+        group = lax.div(h0, heads_per_group)
+        wg = lax.axis_index("wg")
+        first, count = first_ref[b], count_ref[b]
+        num_steps = count * steps_per_chunk
+
+        def step_rows(i):  # (chunk, first packed row, its rows in the chunk) of step i
+            c = first + lax.div(i, steps_per_chunk)
+            row0 = lax.rem(i, steps_per_chunk) * _STEP_ROWS
+            start = cu_ref[c]
+            return c, start + row0, jnp.clip(cu_ref[c + 1] - start - row0, 0, _STEP_ROWS)
+
+        @pl.when(wg == _CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+            def load(i, slot):
+                c, row, _ = step_rows(i)
+                rows = pl.ds(row, _STEP_ROWS)
+                for t in range(state_tiles):
+                    columns = pl.ds(t * _COLUMNS, _COLUMNS)
+                    plgpu.copy_gmem_to_smem(
+                        B_ref.at[rows, group, columns],
+                        b_flat.at[slot, t],
+                        b_full.at[slot * state_tiles + t],
+                    )
+                w_rows = pl.ds(lax.rem(i, steps_per_chunk) * _STEP_ROWS, _STEP_ROWS)
+                for k in range(_CONSUMERS):
+                    h = h0 + k
+                    plgpu.copy_gmem_to_smem(
+                        x_ref.at[rows, h], x_flat.at[slot, k], x_full.at[slot * _CONSUMERS + k]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        weight_ref.at[h, c, w_rows],
+                        w_smem.at[slot, k],
+                        w_full.at[slot * _CONSUMERS + k],
+                    )
+
+            for i in range(num_stages):  # the ring's first fill
+                pl.when(i < num_steps)(functools.partial(load, i, i))
+
+            @pl.loop(num_stages, num_steps)
+            def _steady(i):
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(free.at[slot])
+                load(i, slot)
+
+        @pl.when(wg < _CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            k = wg
+            h = h0 + k
+            stage = out_tiles.at[k]  # [2, 64, N] in x's dtype: the carried states' tiles
+            final_stage = out_final.at[k]  # [64, N] fp32, the same bytes
+            if initial_ref is None:
+                states = [
+                    plgpu.layout_cast(jnp.zeros(tile_shape, f32), wgmma_layout)
+                    for _ in range(state_tiles)
+                ]
+            else:
+                plgpu.copy_gmem_to_smem(initial_ref.at[b, h], final_stage, init_full.at[k])
+                plgpu.barrier_wait(init_full.at[k])
+                states = [
+                    plgpu.load(
+                        final_stage.at[:, pl.ds(t * _COLUMNS, _COLUMNS)], layout=wgmma_layout
+                    ).astype(f32)
+                    for t in range(state_tiles)
+                ]
+
+            def step(i, states):
+                slot = lax.rem(i, num_stages)
+                c, _, live = step_rows(i)
+                chunk_start = lax.rem(i, steps_per_chunk) == 0
+
+                @pl.when(chunk_start)
+                def _store_carried():
+                    # The state entering chunk c, in the chunk scan's dtype; the two tiles
+                    # alternate, rewritten once the store from two chunks ago read them.
+                    tile = stage.at[lax.rem(lax.div(i, steps_per_chunk), 2)]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    for t in range(state_tiles):
+                        tile.at[:, pl.ds(t * _COLUMNS, _COLUMNS)][...] = states[t].astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(tile, carried_ref.at[c, h])
+
+                decay = jnp.where(chunk_start, decay_ref[h, c], 1.0)
+                x_tile = x_tiles.at[slot, k]
+                plgpu.barrier_wait(x_full.at[slot * _CONSUMERS + k])
+                plgpu.barrier_wait(w_full.at[slot * _CONSUMERS + k])
+                # x rows weighted by exp(cum_end - cum_j) dt'_j, rows past the chunk 0
+                # (selected: they hold other rows, NaN in tests), in place.
+                for r in range(_STEP_ROWS // _ROWS):
+                    rows = pl.ds(r * _ROWS, _ROWS)
+                    x = plgpu.load(x_tile.at[rows], layout=wgmma_layout).astype(f32)
+                    w = plgpu.load(w_smem.at[slot, k, rows], layout=wgmma_layout.reduce(1))
+                    row = r * _ROWS + plgpu.broadcasted_iota(
+                        jnp.int32, tile_shape, 0, layout=wgmma_layout
+                    )
+                    weighted = x * lax.broadcast_in_dim(w, tile_shape, [0])
+                    x_tile.at[rows][...] = jnp.where(row < live, weighted, 0.0).astype(dtype)
+                plgpu.commit_smem()
+                for t in range(state_tiles):
+                    plgpu.barrier_wait(b_full.at[slot * state_tiles + t])
+
+                @pl.when(live < _STEP_ROWS)
+                def _zero_past_chunk():
+                    # B rows past the chunk: the weighted x is 0 there, but 0 × NaN is
+                    # not. Each consumer zeroes its share of B's column tiles.
+                    for t in range(state_tiles):
+
+                        @pl.when(t % _CONSUMERS == k)
+                        def _zero(t=t):
+                            for r in range(_STEP_ROWS // _ROWS):
+                                tile = b_tiles.at[slot, t, pl.ds(r * _ROWS, _ROWS)]
+                                v = plgpu.load(tile, layout=wgmma_layout)
+                                row = r * _ROWS + plgpu.broadcasted_iota(
+                                    jnp.int32, tile_shape, 0, layout=wgmma_layout
+                                )
+                                tile[...] = jnp.where(row < live, v, jnp.zeros_like(v))
+
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(zeroed.at[slot])
+                    plgpu.barrier_wait(zeroed.at[slot])
+
+                def product(acc_refs):
+                    for t in range(state_tiles):
+                        plgpu.wgmma(acc_refs[t], x_tile.T, b_tiles.at[slot, t])
+
+                states = [state * decay for state in states]
+                states = pl.run_state(product)(tuple(plgpu.ACC.init(state) for state in states))
+                plgpu.barrier_arrive(free.at[slot])
+                return list(states)
+
+            states = lax.fori_loop(0, num_steps, step, states)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for t in range(state_tiles):
+                final_stage.at[:, pl.ds(t * _COLUMNS, _COLUMNS)][...] = states[t]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(final_stage, final_ref.at[b, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    tiles = swizzled_tiles(dtype)
+    flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
+    ring_b = (num_stages, state_tiles, _STEP_ROWS, _COLUMNS)
+    ring_x = (num_stages, _CONSUMERS, _STEP_ROWS, _HEAD_DIM)
+    pl.run_scoped(
+        body,
+        plgpu.RefUnion(
+            plgpu.SMEM(ring_b, dtype, transforms=tiles), plgpu.SMEM(ring_b, dtype, transforms=flat)
+        ),
+        plgpu.RefUnion(
+            plgpu.SMEM(ring_x, dtype, transforms=tiles), plgpu.SMEM(ring_x, dtype, transforms=flat)
+        ),
+        plgpu.SMEM((num_stages, _CONSUMERS, _STEP_ROWS), f32),
+        # Per consumer: two tiles of carried states (x's dtype) or, the same bytes, one
+        # fp32 tile (the initial and the final state).
+        plgpu.RefUnion(
+            plgpu.SMEM((_CONSUMERS, 2, _HEAD_DIM, state_dim), dtype, transforms=tiles),
+            plgpu.SMEM((_CONSUMERS, _HEAD_DIM, state_dim), f32, transforms=swizzled_tiles(f32)),
+        ),
+        plgpu.Barrier(num_barriers=num_stages * state_tiles),
+        plgpu.Barrier(num_barriers=num_stages * _CONSUMERS),
+        plgpu.Barrier(num_barriers=num_stages * _CONSUMERS),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=_CONSUMERS),
+        collective_axes="wg",
+    )
+
+
+def state_scan(
+    s: triton.ScanShapes,
+    metadata,
+    x,
+    dt,
+    A,
+    B,
+    dt_bias,
+    initial_states,
+    *,
+    dt_softplus,
+    dt_limit,
+    intermediate: bool,
+    state_dtype,
+    carried_dtype,
+    blocks=None,
+    interpret=False,
+):
+    """Stage 1 on the tensor cores, :func:`triton.state_scan`'s signature and results
+    (final states only, ``state_scan_supports``): dt' and cum in ``jnp``
+    (:func:`chunk_decay_inputs`), then one thread block per (two heads, sequence), longest
+    sequences first, walking the sequence's chunks in 128-row steps: per step a TMA ring
+    slot holds B (shared by the two heads) and each head's x; consumer k owns head
+    ``h0 + k``, keeps its state ``[P, N]`` in fp32 registers and adds ``(x ∘ w)ᵀ B``
+    with ``w = exp(cum_end − cum_j) dt'_j`` (one wgmma per 64 state columns)."""
+    del blocks, interpret, intermediate
+    dt_chunks, cum = chunk_decay_inputs(
+        s, metadata, dt, A, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit
+    )
+    end = cum[..., -1:]
+    weight = decay_factor(end - cum) * dt_chunks
+    decay = decay_factor(end[..., 0])
+    order, first, count = triton.sequence_chunks(s, metadata)
+    initial = None if initial_states is None else initial_states.astype(jnp.float32)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _state_scan_kernel,
+            has_initial=initial is not None,
+            heads_per_group=s.heads // s.groups,
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.head_dim, s.state_dim), carried_dtype),
+            jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.head_dim, s.state_dim), jnp.float32),
+        ),
+        # The last axis varies fastest: the head pairs of a sequence run side by side and
+        # share its B in L2.
+        grid=(s.num_seqs, s.heads // _CONSUMERS),
+        grid_names=("seq", "heads"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+    )
+    operands = [] if initial is None else [initial]
+    carried, final = kernel(
+        order, first, count, metadata.cu_chunk_seqlens, x, B, weight, decay, *operands
+    )
+    return dt_chunks, cum, carried, final.astype(state_dtype)
+
+
 def chunk_scan(
     s: triton.ScanShapes,
     cu: jax.Array,
@@ -508,6 +800,11 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated and
     :func:`supports` takes the call. The Triton state scan, then this chunk scan; under
     differentiation the Triton forward (it writes the backward's residuals) and backward."""
+    mosaic_states = state_scan_supports(
+        heads_per_group=x.shape[1] // B.shape[1],
+        state_dim=B.shape[2],
+        intermediate=options["return_intermediate_states"],
+    )
     return triton.ssd_scan(
         x,
         dt,
@@ -516,6 +813,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         C,
         chunk_size=chunk_size,
         config=triton.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
-        chunk_scan_kernel=functools.partial(chunk_scan, config=config),
+        state_scan_fn=state_scan if mosaic_states else None,
+        chunk_scan_fn=functools.partial(chunk_scan, config=config),
         **options,
     )

@@ -434,6 +434,19 @@ class ScanShapes:
         return block_dim(self.state_dim, MIN_DOT_DIM)
 
 
+def sequence_chunks(s: ScanShapes, metadata: ChunkMetadata) -> tuple[jax.Array, ...]:
+    """``(order, first_chunk, num_seq_chunks)``, int32 ``[B]`` each: the sequences longest
+    walk first (so the last state-scan programs to start are short ones), each sequence's
+    first chunk and its number of chunks (seq_idx is non-decreasing over the real
+    chunks)."""
+    seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
+    first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
+    last = metadata.last_chunk_indices
+    num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
+    order = jnp.argsort(-num_seq_chunks, stable=True).astype(jnp.int32)
+    return order, first_chunk.astype(jnp.int32), num_seq_chunks
+
+
 def state_scan(
     s: ScanShapes,
     metadata: ChunkMetadata,
@@ -459,19 +472,13 @@ def state_scan(
     f32 = jnp.float32
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
-    # Each sequence's chunk range; seq_idx is non-decreasing over the real chunks.
-    seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
-    first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
-    last = metadata.last_chunk_indices
-    num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
-    # Longest walks first, so the last programs to start are short ones.
-    order = jnp.argsort(-num_seq_chunks, stable=True).astype(jnp.int32)
+    order, first_chunk, num_seq_chunks = sequence_chunks(s, metadata)
     out_rows = s.max_chunks if intermediate else s.num_seqs
     states_shape = jax.ShapeDtypeStruct((out_rows, s.heads, s.head_dim, s.state_dim), state_dtype)
     zeros = jnp.zeros(states_shape.shape, state_dtype) if intermediate else None
     args = (
         order,
-        first_chunk.astype(jnp.int32),
+        first_chunk,
         num_seq_chunks,
         metadata.cu_chunk_seqlens,
         x,
@@ -587,14 +594,16 @@ def _forward(
     config: BlockSizes,
     interpret: bool,
     residuals: bool = False,
-    chunk_scan_kernel=None,
+    state_scan_fn=None,
+    chunk_scan_fn=None,
 ):
     """The three launches: ``(y, states, saved)``. With ``residuals`` (under
     differentiation), ``saved`` is ``(dt_chunks, cum, carried, cb, y_ssm)`` for the
     backward, with the carried states in fp32 (the chunk scan casts them to C's dtype, so
-    y is the same); else None and the carried states are in C's dtype, and
-    ``chunk_scan_kernel(s, cu, x, C, B, dt_chunks, cum, carried, D, z)``, when given,
-    replaces stages 3a and 3b (``mosaic.chunk_scan``)."""
+    y is the same); else None and the carried states are in C's dtype, and the kernels
+    given replace stages 1 (``state_scan_fn``, :func:`state_scan`'s signature) and
+    3a + 3b (``chunk_scan_fn(s, cu, x, C, B, dt_chunks, cum, carried, D, z)``): the
+    Mosaic GPU backend's (``mosaic.py``)."""
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
     blocks = config
@@ -602,7 +611,8 @@ def _forward(
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    dt_chunks, cum, carried, states = state_scan(
+    scan_states = state_scan if state_scan_fn is None or residuals else state_scan_fn
+    dt_chunks, cum, carried, states = scan_states(
         s,
         metadata,
         x,
@@ -620,8 +630,8 @@ def _forward(
         interpret=interpret,
     )
     cu = metadata.cu_chunk_seqlens
-    if chunk_scan_kernel is not None and not residuals:
-        y = chunk_scan_kernel(s, cu, x, C, B, dt_chunks, cum, carried, D, z)
+    if chunk_scan_fn is not None and not residuals:
+        y = chunk_scan_fn(s, cu, x, C, B, dt_chunks, cum, carried, D, z)
         return y, states, None
     cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
     y = chunk_scan(
@@ -653,11 +663,12 @@ def _differentiable(
     state_dtype,
     config: BlockSizes,
     interpret: bool,
-    chunk_scan_kernel,
+    state_scan_fn,
+    chunk_scan_fn,
 ):
     """The scan with its Pallas backward kernels (``ssd/triton_backward.py``), for one set
-    of static options. Outside differentiation it is the plain forward (its chunk scan
-    ``chunk_scan_kernel`` when given); under it, the forward also returns the backward's
+    of static options. Outside differentiation it is the plain forward (with the stage
+    kernels given, see ``_forward``); under it, the forward also returns the backward's
     residuals (``_forward(residuals=True)``, the Triton chunk scan), with the same y and
     states."""
     options = dict(
@@ -682,7 +693,8 @@ def _differentiable(
             dt_bias,
             initial_states,
             metadata,
-            chunk_scan_kernel=chunk_scan_kernel,
+            state_scan_fn=state_scan_fn,
+            chunk_scan_fn=chunk_scan_fn,
             **options,
         )
         return y, states
@@ -754,12 +766,14 @@ def ssd_scan(
     state_dtype: jnp.dtype,
     config: BlockSizes,
     interpret: bool = False,
-    chunk_scan_kernel=None,
+    state_scan_fn=None,
+    chunk_scan_fn=None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
-    backward kernels of ``ssd/triton_backward.py``. ``chunk_scan_kernel``: the forward's
-    chunk scan outside differentiation (see ``_forward``); None: the Triton one."""
+    backward kernels of ``ssd/triton_backward.py``. ``state_scan_fn`` and
+    ``chunk_scan_fn``: the forward's stages outside differentiation (see
+    ``_forward``); None: the Triton ones."""
     del chunk_size  # the api checked it is metadata.chunk_size
     scan = _differentiable(
         bool(dt_softplus),
@@ -768,6 +782,7 @@ def ssd_scan(
         jnp.dtype(state_dtype),
         config,
         bool(interpret),
-        chunk_scan_kernel,
+        state_scan_fn,
+        chunk_scan_fn,
     )
     return scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)

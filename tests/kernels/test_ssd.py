@@ -718,10 +718,11 @@ def test_mosaic_block_sizes_are_checked():
 
 
 @pytest.mark.parametrize("chunk_size, gated", [(256, True), (128, False)])
-def test_mosaic_chunk_scan_lowers_for_cuda(chunk_size, gated):
-    """The Mosaic GPU kernel lowers (layouts, transforms, barriers) without a GPU: chunk
-    256 with D and z (two blocks per chunk), chunk 128 without either; exactly one Mosaic
-    kernel beside the Triton state scan, and no Triton chunk scan."""
+def test_mosaic_scan_lowers_for_cuda(chunk_size, gated):
+    """The Mosaic GPU kernels lower (layouts, transforms, barriers) without a GPU: chunk
+    256 with D and z (two blocks per chunk, two state-scan steps per chunk), chunk 128
+    without either; the state scan and the chunk scan are the two Mosaic kernels, no
+    Triton kernel runs."""
     T, H, G, N, num_seqs = 1024, 8, 2, 128, 3
     max_chunks = max_chunks_for(T, num_seqs, chunk_size)
 
@@ -751,5 +752,5 @@ def test_mosaic_chunk_scan_lowers_for_cuda(chunk_size, gated):
     args += [spec((H,), f32) if gated else None, spec((T, H, 64)) if gated else None]
     args += [spec((max_chunks + 1,), i32), spec((max_chunks,), i32), spec((num_seqs,), i32)]
     text = lower_for_cuda(scan, *args, spec((), i32))
-    assert text.count("mosaic_gpu") >= 1
-    assert "ssd_state_scan" in text and "ssd_chunk_scan" not in text and "ssd_chunk_cb" not in text
+    assert text.count("custom_call @mosaic_gpu") == 2
+    assert not any(name in text for name in ("ssd_state_scan", "ssd_chunk_scan", "ssd_chunk_cb"))
