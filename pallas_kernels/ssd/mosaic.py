@@ -477,11 +477,13 @@ def chunk_decay_inputs(s: triton.ScanShapes, metadata, dt, A, dt_bias, *, dt_sof
     and their cumulative ``dt' A`` within the chunk (constant past the end)."""
     cu = metadata.cu_chunk_seqlens
     rows = jnp.arange(s.chunk_size, dtype=jnp.int32)
-    index = cu[:-1, None] + rows  # [max_chunks, cs]
+    index = jnp.clip(cu[:-1, None] + rows, 0, dt.shape[0] - 1)  # [max_chunks, cs]
     live = rows < (cu[1:] - cu[:-1])[:, None]
-    dt_rows = dt[jnp.clip(index, 0, dt.shape[0] - 1)].astype(jnp.float32)  # [max_chunks, cs, H]
-    dt_rows = process_dt(dt_rows, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    dt_chunks = jnp.where(live[..., None], dt_rows, 0.0).transpose(2, 0, 1)
+    # Gathered along the minor axis of dt transposed: [H, max_chunks, cs] directly.
+    dt_rows = dt.T.astype(jnp.float32)[:, index]
+    bias = None if dt_bias is None else dt_bias[:, None, None]
+    dt_rows = process_dt(dt_rows, bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    dt_chunks = jnp.where(live, dt_rows, 0.0)
     cum = jnp.cumsum(dt_chunks * A.astype(jnp.float32)[:, None, None], axis=-1)
     return dt_chunks, cum
 

@@ -754,3 +754,33 @@ def test_mosaic_scan_lowers_for_cuda(chunk_size, gated):
     text = lower_for_cuda(scan, *args, spec((), i32))
     assert text.count("custom_call @mosaic_gpu") == 2
     assert not any(name in text for name in ("ssd_state_scan", "ssd_chunk_scan", "ssd_chunk_cb"))
+
+
+def test_mosaic_chunk_decay_inputs_are_the_triton_state_scans():
+    """The Mosaic state scan's dt' and within-chunk cumulative decay (``jnp``, gathered per
+    chunk) equal what the Triton state scan writes on every real chunk: chunks shortened
+    by alignment, a chunk past the sequence's end, bias, softplus and a clamp."""
+    p = make_problem([300, 5, 395], computed=[0, 10, 3], heads=4, chunk_size=128, extra_rows=9)
+    md = p.metadata()
+    shapes = ssd_triton.ScanShapes.of(p.x, p.B, md)
+    options = dict(dt_softplus=True, dt_limit=(0.05, 2.0))
+    dt_chunks, cum = ssd_mosaic.chunk_decay_inputs(shapes, md, p.dt, p.A, p.dt_bias, **options)
+    expected_dt, expected_cum, _, _ = ssd_triton.state_scan(
+        shapes,
+        md,
+        p.x,
+        p.dt,
+        p.A,
+        p.B,
+        p.dt_bias,
+        None,
+        intermediate=False,
+        state_dtype=jnp.float32,
+        carried_dtype=jnp.float32,
+        blocks=ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=64),
+        interpret=True,
+        **options,
+    )
+    n = int(md.num_chunks)
+    assert_close(dt_chunks[:, :n], expected_dt[:, :n], rtol=F32_TOL, name="dt'")
+    assert_close(cum[:, :n], expected_cum[:, :n], rtol=F32_TOL, name="cum")
