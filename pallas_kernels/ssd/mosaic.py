@@ -1,37 +1,48 @@
-"""The SSD chunk scan as a Pallas Mosaic GPU kernel (Hopper: wgmma, TMA).
+"""The SSD scan's two stages as Pallas Mosaic GPU kernels (Hopper: wgmma, TMA).
 
-Stage 3 of the scan (``triton.py``'s module docstring names the stages) on the tensor
-cores: for each chunk ``c`` and head ``h`` of the chunk-aligned varlen layout,
+The stages of ``triton.py`` (its module docstring) on the tensor cores, over the same
+chunk-aligned varlen layout; both follow FlashAttention-3's thread block (Shah et al.,
+arXiv 2407.08608): a producer warpgroup TMA-copies tiles into a ring of shared-memory
+slots, two consumer warpgroups run wgmma on them with fp32 accumulators in registers.
+
+**State scan** (:func:`state_scan`). dt' and the within-chunk cumulative decay ``cum`` are
+computed in ``jnp`` (:func:`chunk_decay_inputs`: a gather per chunk and a cumsum, what the
+Triton state scan writes). One thread block per (two heads of a group, sequence),
+longest sequences first, walks the sequence's chunks in 128-row steps: a ring slot holds
+the step's B rows (read once for both heads) and each head's x rows; consumer k keeps
+head ``h0 + k``'s state ``s[P, N]`` in registers, stores it (in C's dtype) as the state
+entering each chunk, and per chunk computes ``s ← exp(cum_end) s + (x ∘ w)ᵀ B`` with
+``w_j = exp(cum_end − cum_j) dt'_j`` (x weighted in shared memory, then one wgmma per 64
+state columns). Final states only; intermediate states and N = 256 use the Triton state
+scan (:func:`state_scan_supports`).
+
+**Chunk scan** (:func:`chunk_scan`). For each chunk ``c`` and head ``h``,
 
     y_i = exp(cum_i) C_i · s_c  +  Σ_{j ≤ i} (C_i · B_j) exp(cum_i − cum_j) dt'_j x_j
 
-then the D skip and the z gate; ``s_c`` (the state entering the chunk), ``dt'`` and the
-within-chunk cumulative decay ``cum`` come from the Triton state scan, unchanged.
-
-One thread block per (chunk, block of heads of one B/C group), FlashAttention-3's layout
-(Shah et al., arXiv 2407.08608): a producer warpgroup TMA-copies the chunk's C and B
-tiles once, then each head's x tile, carried state, dt' and cum into a ring of
-shared-memory slots; two consumer warpgroups own the chunk's 64-row blocks (of a 256-row
-chunk, consumer 0 rows blocks 0 and 3, consumer 1 blocks 1 and 2: 1 + 4 and 2 + 3
-column blocks, equal work). Each consumer computes its rows of ``C Bᵀ`` once per block
-with wgmma, zeroes the causal and past-the-chunk entries there, and keeps them in
-registers (bf16, as the Triton path's ``cb``) for all heads of the block: the group's
-``C Bᵀ`` is shared by its heads, so it is neither recomputed per head nor re-read from
-memory. Per head: ``C·sᵀ`` and ``W x`` (``W = masked C Bᵀ ∘ exp(cum_i − cum_j) dt'_j``
-built in registers, the wgmma A operand) accumulate in fp32 registers.
+then the D skip and the z gate. One thread block per (chunk, 128 of its rows, block of
+heads of one B/C group): the producer copies the block's C rows and the chunk's B once,
+then per head x, the carried state, dt', cum (and D); consumer k owns the row block
+``2 × half + k``. Each consumer first computes its rows of ``C Bᵀ`` (causal and in-chunk
+entries only, the rest selected to 0) into shared memory, once for all heads of the
+block (the group's ``C Bᵀ`` is shared by its heads: neither recomputed per head nor read
+from memory); then per head ``C·sᵀ`` and ``W x`` (``W = C Bᵀ ∘ exp(cum_i − cum_j) dt'_j``
+built in registers, the wgmma A operand) accumulate in fp32. Keeping ``C Bᵀ`` in shared
+memory, not registers, is what keeps the consumers from spilling.
 
 Chunks start at any packed row. TMA into tiled shared memory needs tile-aligned rows, so
-the producer copies C, B and x through swizzle-only views (``plgpu.RefUnion``) of the
-tiles that wgmma reads: a tile of 64 16-bit columns is laid out identically either way.
-A short chunk's tiles hold the next rows of the packed batch (another sequence, or bucket
-rows, NaN in tests): ``C Bᵀ`` is selected to 0 past the chunk, and the consumers zero
-those x rows in shared memory (``0 × NaN`` would be NaN), so nothing past a chunk reaches
-its outputs; y goes out through TMA stores of exactly the chunk's rows. Padding chunks
+the producers copy C, B and x through swizzle-only views (``plgpu.RefUnion``) of the
+tiles that wgmma reads (a tile of 64 16-bit columns is laid out identically either way),
+and full 64-row outputs leave the same way. A short chunk's tiles hold the next rows of
+the packed batch (another sequence, or bucket rows, NaN in tests): weights and ``C Bᵀ``
+are selected to 0 past the chunk and the consumers zero those B or x rows in shared
+memory (``0 × NaN`` would be NaN), so nothing past a chunk reaches its outputs; a
+chunk's last rows go out through the TMA store ladder, exactly its rows. Padding chunks
 exit at once; a few extra blocks zero the bucket rows no chunk owns.
 
 Covers bf16/fp16 x, B, C (one dtype), head dim 64, state dims 64/128/256 and chunk sizes
-128/256 within the shared-memory budget (:func:`supports`); the rest, and the
-differentiated forward (whose residuals the Triton chunk scan writes), run on Triton.
+128/256 within the shared-memory budget (:func:`supports`); the rest run on Triton, and
+so does the differentiated forward (the Triton kernels write the backward's residuals).
 """
 
 from __future__ import annotations
