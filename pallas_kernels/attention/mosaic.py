@@ -55,6 +55,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import LOG2E, checked_slots
+from pallas_kernels._mosaic import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    TMA_ROWS,
+    store_rows,
+    swizzled_tiles,
+)
 from pallas_kernels.attention._layout import (
     band_operand,
     is_decode_shaped,
@@ -65,21 +72,13 @@ from pallas_kernels.backend import device_num_sms
 
 # Consumer warpgroups per thread block, each with ``block_q`` query rows.
 _CONSUMERS: Final = 2
-# Register split of a 3-warpgroup block (65,536 registers / 384 threads): the consumers
-# hold the fp32 accumulators, the producer only issues copies.
-_CONSUMER_REGISTERS: Final = 232
-_PRODUCER_REGISTERS: Final = 40
 # Running max before any key: finite, so a row whose keys are all masked (-inf logits)
 # keeps alpha = 2^(min - min) = 1 and p = 2^(-inf) = 0 instead of NaN.
 _MASK_MAX: Final = float(jnp.finfo(jnp.float32).min)
 _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
-# 128-byte swizzle of 64-element (bf16) rows: the wgmma operand layout for K and V tiles.
-_SWIZZLE_BYTES: Final = 128
 _SUPPORTED_HEAD_DIMS: Final = (64, 128)
 # Smallest KV tile (BlockSizes.block_k): paged caches need pages of a multiple of it.
 _MIN_BLOCK_K: Final = 64
-# Rows of a swizzled tile: TMA copies of tiled tiles need T and L to be multiples of it.
-_TMA_ROWS: Final = 8
 
 # Thread blocks of one head group, in waves of one block per SM (BlockSizes.head_group).
 _WAVES_PER_HEAD_GROUP: Final = 4
@@ -146,8 +145,8 @@ def supports(
     if q.shape[2] not in _SUPPORTED_HEAD_DIMS:
         return f"head dim {q.shape[2]} is not one of {_SUPPORTED_HEAD_DIMS}"
     # TMA views the token and cache axes in tiles of 8 rows.
-    if q.shape[0] % _TMA_ROWS or k_cache.shape[1] % _TMA_ROWS:
-        return f"T={q.shape[0]} and L={k_cache.shape[1]} must be multiples of {_TMA_ROWS}"
+    if q.shape[0] % TMA_ROWS or k_cache.shape[1] % TMA_ROWS:
+        return f"T={q.shape[0]} and L={k_cache.shape[1]} must be multiples of {TMA_ROWS}"
     if is_decode_shaped(q.shape[0], query_start_loc.shape[0] - 1):
         return "decode-shaped batch (T <= B): the split-KV Triton kernel serves it"
     return None
@@ -245,7 +244,7 @@ def plan(
     qsl = jnp.clip(query_start_loc, 0, num_tokens).astype(jnp.int32)
     seg_start = qsl  # B sequences, then the bucket rows [qsl[-1], T)
     seg_end = jnp.append(qsl[1:], num_tokens)
-    seg_aligned = seg_start - seg_start % _TMA_ROWS
+    seg_aligned = seg_start - seg_start % TMA_ROWS
     seg_items = jnp.where(seg_end > seg_start, pl.cdiv(seg_end - seg_aligned, item_rows), 0)
     seg_items_end = jnp.cumsum(seg_items)
     item = jnp.arange(num_items, dtype=jnp.int32)
@@ -383,24 +382,6 @@ class ConsumerWork(NamedTuple):
         )
 
 
-def store_rows(tile, out_ref, *, row0, first, live, head) -> None:
-    """TMA-stores rows ``[first, first + live)`` of a consumer's staged ``tile[block_q,
-    D]`` (committed) to ``out_ref[row0 + first:, head]`` and waits for the reads. TMA
-    boxes are static: the live rows go out as a sum of powers of two."""
-    start = first
-    size = tile.shape[0]
-    while size >= 1:
-        take = (live & size) != 0
-        plgpu.copy_smem_to_gmem(
-            tile.at[pl.ds(start, size)],
-            out_ref.at[pl.ds(row0 + start, size), head],
-            predicate=take,
-        )
-        start = start + jnp.where(take, size, 0)
-        size //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 def _kernel(
     plan: Plan,  # a Plan of int32 refs, [num_items] or [num_items, _CONSUMERS] each
     scale_ref,  # [1] fp32: sm_scale * log2(e)
@@ -419,8 +400,7 @@ def _kernel(
 ):
     head_dim = q_ref.shape[2]
     dtype = q_ref.dtype
-    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
-    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+    tiles = swizzled_tiles(dtype)
 
     def body(
         q_smem, o_smem, lse_smem, k_smem, v_smem, q_full, k_full, v_full, k_free, v_free, turn
@@ -437,7 +417,7 @@ def _kernel(
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             produce_kv_ring(
                 plan,
                 item,
@@ -451,7 +431,7 @@ def _kernel(
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
             work = ConsumerWork.of(plan, item, c, block_q)
             row0, pos0, first, live = work.row0, work.pos0, work.first, work.live

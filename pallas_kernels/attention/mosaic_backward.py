@@ -50,6 +50,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import checked_slots
+from pallas_kernels._mosaic import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    TMA_ROWS,
+    store_rows,
+    swizzled_tiles,
+)
 from pallas_kernels.attention import mosaic
 from pallas_kernels.attention._layout import backward_scale_operand, band_operand
 
@@ -60,12 +67,6 @@ _BLOCK_K: Final = 64
 # Query rows per step (the N dimension of Sᵀ and dPᵀ, the K dimension of dV and dK).
 _BLOCK_Q: Final = 64
 _STAGES: Final = 2  # Q/dO/lse/delta slots in the ring
-# Register split of a 3-warpgroup block: the consumers hold two [64, D] fp32 accumulators
-# and two [64, 64] score tiles; the producer only issues copies.
-_CONSUMER_REGISTERS: Final = 232
-_PRODUCER_REGISTERS: Final = 40
-_SWIZZLE_BYTES: Final = 128
-_TMA_ROWS: Final = 8  # query tiles start at multiples of this row
 _KEYS_PER_BLOCK: Final = _CONSUMERS * _BLOCK_K
 
 
@@ -124,7 +125,7 @@ def plan(
     left, right = band[0], band[1]
     row_lo = jnp.clip(key0 - right - offset, seq_start, seq_end)
     row_hi = jnp.clip(key0 + _KEYS_PER_BLOCK - 1 + left - offset, row_lo, seq_end)
-    row_base = row_lo - row_lo % _TMA_ROWS
+    row_base = row_lo - row_lo % TMA_ROWS
     num_tiles = jnp.where(live & (row_hi > row_lo), pl.cdiv(row_hi - row_base, _BLOCK_Q), 0)
     item_plan = Plan(
         line=line,
@@ -158,8 +159,7 @@ def _dkv_kernel(
 ):
     head_dim = q_ref.shape[2]
     dtype = q_ref.dtype
-    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
-    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+    tiles = swizzled_tiles(dtype)
     f32 = jnp.float32
 
     def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k_full, v_full, *ring):
@@ -178,7 +178,7 @@ def _dkv_kernel(
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def load(s, slot):
                 head, row0 = step_rows(s)
@@ -203,7 +203,7 @@ def _dkv_kernel(
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
             key0 = plan.key0[item] + c * _BLOCK_K
             kv_len, offset = plan.kv_len[item], plan.offset[item]
@@ -419,8 +419,7 @@ def _dq_kernel(
 ):
     head_dim = q_ref.shape[2]
     dtype = q_ref.dtype
-    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_BYTES // dtype.itemsize)),)
-    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+    tiles = swizzled_tiles(dtype)
     f32 = jnp.float32
 
     def body(q_smem, do_smem, dq_smem, lse_smem, delta_smem, k_smem, v_smem, *barriers):
@@ -433,7 +432,7 @@ def _dq_kernel(
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             mosaic.produce_kv_ring(
                 plan,
                 item,
@@ -447,7 +446,7 @@ def _dq_kernel(
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
             work = mosaic.ConsumerWork.of(plan, item, c, _BLOCK_Q)
             row0, pos0, first, live = work.row0, work.pos0, work.first, work.live
@@ -544,7 +543,7 @@ def _dq_kernel(
             dq_tile = dq_smem.at[c]
             dq_tile[...] = (dq * sm_scale).astype(dtype)
             plgpu.commit_smem()
-            mosaic.store_rows(dq_tile, dq_ref, row0=row0, first=first, live=live, head=head)
+            store_rows(dq_tile, dq_ref, row0=row0, first=first, live=live, head=head)
 
     pl.run_scoped(
         body,

@@ -55,24 +55,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._mosaic import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    SWIZZLE_BYTES,
+    TMA_ROWS,
+    swizzled_tiles,
+)
 from pallas_kernels.backend import device_num_sms
 
 # Consumer warpgroups per thread block; each owns block_n of a unit's columns.
 _CONSUMERS: Final = 2
-# Register split of a 3-warpgroup block (65,536 registers / 384 threads): the consumers
-# hold the fp32 accumulators, the producer only issues copies.
-_CONSUMER_REGISTERS: Final = 232
-_PRODUCER_REGISTERS: Final = 40
 # fp32 accumulator registers per consumer thread that leave room for addresses and the
-# epilogue within _CONSUMER_REGISTERS: block_m * block_n / 128 threads.
+# epilogue within CONSUMER_REGISTERS: block_m * block_n / 128 threads.
 _MAX_ACC_REGISTERS: Final = 128
 _THREADS_PER_WARPGROUP: Final = 128
-# 128-byte swizzle of 64-element (16-bit) rows: the wgmma operand layout.
-_SWIZZLE_BYTES: Final = 128
 _OPERAND_BYTES: Final = 2  # bf16 / fp16
-_SWIZZLE_ELEMS: Final = _SWIZZLE_BYTES // _OPERAND_BYTES
-# Rows of a swizzled tile: TMA reads x at row offsets that are multiples of it.
-_TMA_ROWS: Final = 8
+_SWIZZLE_ELEMS: Final = SWIZZLE_BYTES // _OPERAND_BYTES  # 16-bit columns of a swizzled tile
 # Rows of one wgmma instruction, and of one epilogue chunk.
 _WGMMA_ROWS: Final = 64
 # Shared memory of one thread block on Hopper (H100/H200: 227 KiB), less room for the
@@ -170,8 +169,8 @@ def supports(x: jax.Array, w: jax.Array, group_sizes: jax.Array, **_) -> str | N
     if n % _SWIZZLE_ELEMS:
         return f"N={n} must be a multiple of {_SWIZZLE_ELEMS} (the narrowest block_n)"
     # TMA views x in tiles of 8 rows.
-    if m % _TMA_ROWS:
-        return f"M={m} must be a multiple of {_TMA_ROWS}"
+    if m % TMA_ROWS:
+        return f"M={m} must be a multiple of {TMA_ROWS}"
     return None
 
 
@@ -207,7 +206,7 @@ def max_items(num_rows: int, num_experts: int, block_m: int) -> int:
     tail) of ``len_s`` rows, starting ``< 8`` rows past its aligned start, has
     ``cdiv(len_s + 7, block_m) <= (len_s + 6 + block_m) / block_m`` items."""
     segments = num_experts + 1
-    return pl.cdiv(num_rows + segments * (block_m + _TMA_ROWS - 2), block_m)
+    return pl.cdiv(num_rows + segments * (block_m + TMA_ROWS - 2), block_m)
 
 
 def plan(group_sizes: jax.Array, *, num_rows: int, block_m: int) -> Plan:
@@ -223,7 +222,7 @@ def plan(group_sizes: jax.Array, *, num_rows: int, block_m: int) -> Plan:
     ends = jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), num_rows)
     seg_end = jnp.append(ends, jnp.int32(num_rows))
     seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-    seg_aligned = seg_start - seg_start % _TMA_ROWS
+    seg_aligned = seg_start - seg_start % TMA_ROWS
     seg_items = jnp.where(seg_end > seg_start, pl.cdiv(seg_end - seg_aligned, block_m), 0)
     seg_items_end = jnp.cumsum(seg_items, dtype=jnp.int32)
     bound = max_items(num_rows, num_experts, block_m)
@@ -262,8 +261,7 @@ def _kernel(
     unit_cols = _CONSUMERS * block_n
     n_units = pl.cdiv(n_size, unit_cols)
     x_pieces = block_m // _WGMMA_ROWS
-    tiles = (plgpu.TilingTransform((_TMA_ROWS, _SWIZZLE_ELEMS)),)
-    tiles += (plgpu.SwizzleTransform(_SWIZZLE_BYTES),)
+    tiles = swizzled_tiles(dtype)
 
     def body(x_smem, w_smem, o_smem, full, free):
         # The ring: the s-th K step this block loads (counted over all its units) goes to
@@ -284,7 +282,7 @@ def _kernel(
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def load_unit(i, s0):
                 item, col0 = unit(i)
@@ -331,7 +329,7 @@ def _kernel(
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
             o_tile = o_smem.at[c]
 
