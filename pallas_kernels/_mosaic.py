@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -23,6 +25,21 @@ def swizzled_tiles(dtype) -> tuple[plgpu.Transform, ...]:
     128-byte swizzle."""
     width = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((TMA_ROWS, width)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+
+
+def produce_ring(load: Callable, num_items, free, *, num_stages: int) -> None:
+    """A producer warpgroup's loop over a ring of ``num_stages`` shared-memory slots:
+    ``load(i, slot)`` issues the copies of item ``i`` (of ``num_items``, static or traced)
+    into slot ``i % num_stages``, once the slot's ``free`` barrier says that the consumers
+    are done with item ``i - num_stages``."""
+    for i in range(num_stages):  # the ring's first fill
+        pl.when(i < num_items)(lambda i=i: load(i, i))
+
+    @pl.loop(num_stages, num_items)
+    def _steady(i):
+        slot = lax.rem(i, num_stages)
+        plgpu.barrier_wait(free.at[slot])
+        load(i, slot)
 
 
 def store_rows(tile, out_ref, *, row0, first, live, head, wait: bool = True) -> None:

@@ -54,6 +54,7 @@ from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
     TMA_ROWS,
+    produce_ring,
     store_rows,
     swizzled_tiles,
 )
@@ -192,14 +193,7 @@ def _dkv_kernel(
                     delta_ref.at[head, rows], delta_smem.at[slot], delta_full.at[slot]
                 )
 
-            for i in range(_STAGES):  # the ring's first fill
-                pl.when(i < num_steps)(lambda i=i: load(i, i))
-
-            @pl.loop(_STAGES, num_steps)
-            def _steady(s):
-                slot = lax.rem(s, _STAGES)
-                plgpu.barrier_wait(free.at[slot])
-                load(s, slot)
+            produce_ring(load, num_steps, free, num_stages=_STAGES)
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():

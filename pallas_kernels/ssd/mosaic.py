@@ -62,6 +62,7 @@ from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
     SWIZZLE_BYTES,
+    produce_ring,
     store_rows,
     swizzled_tiles,
 )
@@ -245,14 +246,7 @@ def _kernel(
                 if has_D:
                     plgpu.copy_gmem_to_smem(D_ref.at[h], d_smem.at[slot], d_full.at[slot])
 
-            for i in range(min(num_stages, heads_per_block)):  # the ring's first fill
-                load(i, i)
-
-            @pl.loop(num_stages, heads_per_block)
-            def _steady(i):
-                slot = lax.rem(i, num_stages)
-                plgpu.barrier_wait(free.at[slot])
-                load(i, slot)
+            produce_ring(load, heads_per_block, free, num_stages=num_stages)
 
         @pl.when((wg < _CONSUMERS) & works)
         def _consumer():
@@ -566,14 +560,7 @@ def _state_scan_kernel(
                         w_full.at[slot * _CONSUMERS + k],
                     )
 
-            for i in range(num_stages):  # the ring's first fill
-                pl.when(i < num_steps)(functools.partial(load, i, i))
-
-            @pl.loop(num_stages, num_steps)
-            def _steady(i):
-                slot = lax.rem(i, num_stages)
-                plgpu.barrier_wait(free.at[slot])
-                load(i, slot)
+            produce_ring(load, num_steps, free, num_stages=num_stages)
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():

@@ -1,4 +1,5 @@
-"""Every Triton kernel lowers for CUDA (checked on CPU, without a GPU).
+"""Every Triton kernel, and the SSD's Mosaic GPU kernels, lower for CUDA (checked on CPU,
+without a GPU).
 
 Interpret mode does not enforce Triton's rules (power-of-two blocks, supported
 primitives); lowering for CUDA does. ptxas does not run here: shared-memory overflow and
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for
+from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.state_update import triton as state_update_triton
 from tests.helpers import lower_for_cuda, spec
@@ -27,13 +29,61 @@ from tests.helpers import lower_for_cuda, spec
     ],
 )
 def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
+    text = _lower_ssd(
+        ssd_triton.ssd_scan,
+        head_dim=head_dim,
+        state_dim=state_dim,
+        chunk_size=chunk_size,
+        dtype=dtype,
+        return_intermediate_states=intermediate,
+        config=ssd_triton.default_block_sizes(chunk_size, head_dim, state_dim),
+    )
+    for name in ("ssd_state_scan", "ssd_chunk_cb", "ssd_chunk_scan"):
+        assert name in text
+
+
+@pytest.mark.parametrize(
+    ("chunk_size", "gated", "intermediate"),
+    [(256, True, False), (128, False, False), (256, False, True)],
+)
+def test_ssd_mosaic_lowers(chunk_size, gated, intermediate):
+    """The Mosaic GPU kernels lower (layouts, transforms, barriers): chunk 256 with D, z
+    and initial states (two blocks per chunk, two state-scan steps per chunk), chunk 128
+    without them: the state scan and the chunk scan are the two Mosaic kernels and no
+    Triton kernel runs; with intermediate states the Triton state scan runs instead."""
+    text = _lower_ssd(
+        ssd_mosaic.ssd_scan,
+        chunk_size=chunk_size,
+        gated=gated,
+        initial=gated,
+        return_intermediate_states=intermediate,
+        config=ssd_mosaic.BlockSizes(),
+    )
+    assert text.count("custom_call @mosaic_gpu") == (1 if intermediate else 2)
+    assert ("ssd_state_scan" in text) == intermediate
+    assert "ssd_chunk_scan" not in text and "ssd_chunk_cb" not in text
+
+
+def _lower_ssd(
+    scan,
+    *,
+    chunk_size: int,
+    head_dim: int = 64,
+    state_dim: int = 128,
+    dtype=jnp.bfloat16,
+    gated: bool = True,
+    initial: bool = True,
+    **options,
+) -> str:
+    """``scan`` (a backend's ``ssd_scan``) lowered for CUDA on a 3-sequence batch of 512
+    tokens, 8 heads in 2 groups; D and z with ``gated``, initial states with ``initial``."""
     T, H, G, num_seqs = 512, 8, 2, 3
 
     def fn(x, dt, A, B, C, D, z, dt_bias, init, qsl, computed):
         md = chunk_metadata(
             qsl, computed, chunk_size=chunk_size, max_chunks=max_chunks_for(T, num_seqs, chunk_size)
         )
-        return ssd_triton.ssd_scan(
+        return scan(
             x,
             dt,
             A,
@@ -47,27 +97,24 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
             dt_softplus=True,
             dt_limit=(0.0, math.inf),
             initial_states=init,
-            return_intermediate_states=intermediate,
             state_dtype=jnp.float32,
-            config=ssd_triton.default_block_sizes(chunk_size, head_dim, state_dim),
+            **options,
         )
 
-    text = lower_for_cuda(
+    return lower_for_cuda(
         fn,
         spec((T, H, head_dim), dtype),
         spec((T, H), dtype),
         spec((H,), jnp.float32),
         spec((T, G, state_dim), dtype),
         spec((T, G, state_dim), dtype),
-        spec((H, head_dim), jnp.float32),
-        spec((T, H, head_dim), dtype),
+        spec((H, head_dim), jnp.float32) if gated else None,
+        spec((T, H, head_dim), dtype) if gated else None,
         spec((H,), jnp.float32),
-        spec((num_seqs, H, head_dim, state_dim), jnp.float32),
+        spec((num_seqs, H, head_dim, state_dim), jnp.float32) if initial else None,
         spec((num_seqs + 1,), jnp.int32),
         spec((num_seqs,), jnp.int32),
     )
-    for name in ("ssd_state_scan", "ssd_chunk_cb", "ssd_chunk_scan"):
-        assert name in text
 
 
 @pytest.mark.parametrize(

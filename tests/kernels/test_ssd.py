@@ -14,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels import chunk_metadata, max_chunks_for, ssd_scan
-from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import triton as ssd_triton
@@ -23,13 +22,11 @@ from tests.helpers import (
     check_out_of_range_slots_are_padding,
     check_slot_cache,
     implementations,
-    lower_for_cuda,
     normal,
     out_of_range_slot_ids,
     poison_slots,
     query_start_loc,
     skip_if_mosaic_refuses,
-    spec,
     tiled_implementations,
 )
 
@@ -715,45 +712,6 @@ def test_mosaic_block_sizes_are_checked():
         )
     with pytest.raises(ValueError, match="heads_per_block"):
         ssd_mosaic.BlockSizes(heads_per_block=0)
-
-
-@pytest.mark.parametrize("chunk_size, gated", [(256, True), (128, False)])
-def test_mosaic_scan_lowers_for_cuda(chunk_size, gated):
-    """The Mosaic GPU kernels lower (layouts, transforms, barriers) without a GPU: chunk
-    256 with D and z (two blocks per chunk, two state-scan steps per chunk), chunk 128
-    without either; the state scan and the chunk scan are the two Mosaic kernels, no
-    Triton kernel runs."""
-    T, H, G, N, num_seqs = 1024, 8, 2, 128, 3
-    max_chunks = max_chunks_for(T, num_seqs, chunk_size)
-
-    def scan(x, dt, A, B, C, D, z, cu, seq, last, num):
-        metadata = ChunkMetadata(cu, seq, last, num, chunk_size=chunk_size)
-        return ssd_mosaic.ssd_scan(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            chunk_size=chunk_size,
-            config=ssd_mosaic.BlockSizes(),
-            metadata=metadata,
-            D=D,
-            z=z,
-            dt_bias=None,
-            dt_softplus=True,
-            dt_limit=(0.0, math.inf),
-            initial_states=None,
-            return_intermediate_states=False,
-            state_dtype=jnp.float32,
-        )
-
-    f32, i32 = jnp.float32, jnp.int32
-    args = [spec((T, H, 64)), spec((T, H), f32), spec((H,), f32), spec((T, G, N)), spec((T, G, N))]
-    args += [spec((H,), f32) if gated else None, spec((T, H, 64)) if gated else None]
-    args += [spec((max_chunks + 1,), i32), spec((max_chunks,), i32), spec((num_seqs,), i32)]
-    text = lower_for_cuda(scan, *args, spec((), i32))
-    assert text.count("custom_call @mosaic_gpu") == 2
-    assert not any(name in text for name in ("ssd_state_scan", "ssd_chunk_scan", "ssd_chunk_cb"))
 
 
 def test_mosaic_chunk_decay_inputs_are_the_triton_state_scans():
