@@ -41,8 +41,9 @@ chunk's last rows go out through the TMA store ladder, exactly its rows. Padding
 exit at once; a few extra blocks zero the bucket rows no chunk owns.
 
 Covers bf16/fp16 x, B, C (one dtype), head dim 64, state dims 64/128/256 and chunk sizes
-128/256 within the shared-memory budget (:func:`supports`); the rest run on Triton, and
-so does the differentiated forward (the Triton kernels write the backward's residuals).
+128/256 within the shared-memory budget, batches of at least one chunk (:func:`supports`);
+the rest run on Triton, and so does the differentiated forward (the Triton kernels write
+the backward's residuals).
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
         return f"state dim {B.shape[2]} is not one of {_STATE_DIMS}"
     if chunk_size not in _CHUNK_SIZES:
         return f"chunk_size={chunk_size} is not one of {_CHUNK_SIZES}"
+    if x.shape[0] < chunk_size:
+        # TMA boxes of a chunk's rows would be taller than the arrays.
+        return f"T={x.shape[0]} is below chunk_size={chunk_size}"
     need = _smem_bytes(
         chunk_size=chunk_size,
         state_dim=B.shape[2],

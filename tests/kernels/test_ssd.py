@@ -685,6 +685,7 @@ def test_mosaic_supports_what_its_tiles_take():
         (dict(P=80), "head dim 80"),
         (dict(N=96), "state dim 96"),
         (dict(chunk_size=64), "chunk_size=64"),
+        (dict(T=200), "T=200 is below chunk_size=256"),
         (dict(N=256), "shared memory"),  # chunk 256 with N 256: 284 KiB
     ):
         args, kwargs = _mosaic_args(**options)
