@@ -520,15 +520,6 @@ def _chunk_dbc_kernel(
 # ------------------------------------------------------------------------------- wrapper
 
 
-def _sequence_chunks(s: forward.ScanShapes, metadata: ChunkMetadata) -> tuple[jax.Array, jax.Array]:
-    """``(first_chunk[B], num_chunks[B])`` int32: each sequence's chunk range."""
-    seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
-    first = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
-    last = metadata.last_chunk_indices
-    count = jnp.where(last >= 0, last - first + 1, 0)
-    return first.astype(jnp.int32), count.astype(jnp.int32)
-
-
 def state_pass(
     s: forward.ScanShapes,
     metadata,
@@ -546,8 +537,7 @@ def state_pass(
     dlast[H, max_chunks], d initial_states[B, H, P, N] fp32)``."""
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
-    first, count = _sequence_chunks(s, metadata)
-    order = jnp.argsort(-count, stable=True).astype(jnp.int32)
+    order, first, count = forward.sequence_chunks(s, metadata)
     T = dy.shape[0]
     cdt = dy.dtype
     out_shape = (
