@@ -298,7 +298,7 @@ def _kernel(
                     # 0 × NaN is not.
                     for jb in range(chunk_size // _ROWS):
 
-                        @pl.when((lax.rem(jb, 2) == k) & (jb <= 2 * half + 1))
+                        @pl.when((jb % 2 == k) & (jb <= 2 * half + 1))
                         def _zero(jb=jb):
                             tile = x_tile.at[pl.ds(jb * _ROWS, _ROWS)]
                             v = plgpu.load(tile, layout=wgmma_layout)
@@ -800,6 +800,13 @@ def chunk_scan(
     return kernel(cu, x, C, B, dt_chunks, cum, carried, *operands)
 
 
+@functools.cache
+def _chunk_scan_with(config: BlockSizes):
+    """:func:`chunk_scan` with ``config``, one object per config: the Triton forward's
+    compiled-scan cache (``triton._differentiable``) is keyed by it."""
+    return functools.partial(chunk_scan, config=config)
+
+
 def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated and
     :func:`supports` takes the call. The Triton state scan, then this chunk scan; under
@@ -818,6 +825,6 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         chunk_size=chunk_size,
         config=triton.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
         state_scan_fn=state_scan if mosaic_states else None,
-        chunk_scan_fn=functools.partial(chunk_scan, config=config),
+        chunk_scan_fn=_chunk_scan_with(config),
         **options,
     )

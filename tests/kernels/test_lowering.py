@@ -64,6 +64,16 @@ def test_ssd_mosaic_lowers(chunk_size, gated, intermediate):
     assert "ssd_chunk_scan" not in text and "ssd_chunk_cb" not in text
 
 
+def test_ssd_mosaic_calls_share_one_compiled_scan():
+    """Calls with equal options reuse the scan that ``triton._differentiable`` caches for
+    them: the Mosaic stages it is keyed by are one object per config, not one per call."""
+    options = dict(chunk_size=128, return_intermediate_states=False)
+    _lower_ssd(ssd_mosaic.ssd_scan, config=ssd_mosaic.BlockSizes(), **options)
+    cached = ssd_triton._differentiable.cache_info().currsize
+    _lower_ssd(ssd_mosaic.ssd_scan, config=ssd_mosaic.BlockSizes(), **options)
+    assert ssd_triton._differentiable.cache_info().currsize == cached
+
+
 def _lower_ssd(
     scan,
     *,
