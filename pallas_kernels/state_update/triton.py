@@ -77,7 +77,7 @@ def _kernel(
     A_ref,  # [H] fp32
     B_ref,  # [Bd, G, N]
     C_ref,  # [Bd, G, N]
-    D_ref,  # [H, P] fp32 or None
+    D_ref,  # [H] or [H, P] fp32, or None
     z_ref,  # [Bd, H, P] or None
     dt_bias_ref,  # [H] fp32 or None
     cache_in_ref,  # [S, H, P, N], aliased to cache_ref
@@ -136,7 +136,9 @@ def _kernel(
         state = decay * state + (dt * x)[:, None] * B[None, :]
         plgpu.store(cache_tile, state.astype(cache_ref.dtype), mask=tile)
         y = jnp.sum(state * C[None, :], axis=1)
-        if D_ref is not None:
+        if D_ref is not None and len(D_ref.shape) == 1:
+            y = y + D_ref[h] * x
+        elif D_ref is not None:
             y = y + masked_load(D_ref.at[h, pl.ds(p0, bp)], p_live) * x
         if z_ref is not None:
             y = y * silu(masked_load(z_ref.at[r, h, pl.ds(p0, bp)], p_live).astype(jnp.float32))
@@ -181,7 +183,9 @@ def selective_state_update(
     blocks = config
     block_p = blocks.block_p
     f32 = jnp.float32
-    D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
+    # D[H] stays a scalar per head: broadcasting it to [H, P] would be one more XLA op
+    # (a launch) before every decode step's kernel.
+    D = None if D is None else D.astype(f32)
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     slot_ids = checked_slots(slot_ids, state_cache.shape[0])  # in bounds when called directly
     args = (slot_ids, x, dt, A.astype(f32), B, C, D, z, dt_bias, state_cache)
