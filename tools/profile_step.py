@@ -2,6 +2,7 @@
 
 ``PYTHONPATH=. python3 tools/profile_step.py [--model bamba-9b] [--pattern MMMM*] [--rows 256]``
 ``[--context 4096] [--prompt 0] [--impl auto] [--tp 1] [--top 25] [--trace-dir DIR]``
+``[--timeline]``
 
 Builds a model of one of ``benchmarks.model``'s shapes (Bamba-9B by default) with the given
 layer pattern (random init, bf16; a few
@@ -34,8 +35,9 @@ from flax_models.engine import Engine
 from flax_models.model import HybridLM
 
 
-def device_op_times(trace_dir: Path) -> tuple[collections.Counter, collections.Counter]:
-    """(total µs, calls) per op name over the device (GPU) tracks of the Perfetto trace."""
+def device_events(trace_dir: Path) -> list[dict]:
+    """The device (GPU) tracks' complete events of the Perfetto trace, in time order (every
+    track on a machine without GPU tracks, so a CPU run still says something)."""
     path = next(trace_dir.rglob("perfetto_trace.json.gz"))
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -45,14 +47,38 @@ def device_op_times(trace_dir: Path) -> tuple[collections.Counter, collections.C
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
     device = {pid for pid, name in processes.items() if "GPU" in name or "/device:" in name}
-    if not device:  # e.g. a CPU run: every track, so the summary still says something
+    if not device:
         device = set(processes)
+    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
+    return sorted(spans, key=lambda e: e["ts"])
+
+
+def device_op_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter]:
+    """(total µs, calls) per op name."""
     total, calls = collections.Counter(), collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device:
-            total[e["name"]] += e.get("dur", 0)
-            calls[e["name"]] += 1
+        total[e["name"]] += e.get("dur", 0)
+        calls[e["name"]] += 1
     return total, calls
+
+
+def step_timeline(events: list[dict], steps: int) -> list[str]:
+    """One line per kernel of the middle profiled step on the busiest device track: start
+    and idle gap before it (µs from the step's first kernel), duration and name. The gaps
+    are what a back-to-back step loses between kernels."""
+    tracks = collections.Counter((e["pid"], e["tid"]) for e in events)
+    busiest = tracks.most_common(1)[0][0]
+    track = [e for e in events if (e["pid"], e["tid"]) == busiest]
+    per_step = len(track) // steps
+    step = track[per_step * (steps // 2) : per_step * (steps // 2 + 1)]
+    lines, end = [], step[0]["ts"]
+    for e in step:
+        start, dur = e["ts"] - step[0]["ts"], e.get("dur", 0)
+        lines.append(f"{start:9.1f} gap {e['ts'] - end:6.1f} dur {dur:7.1f}  {e['name'][:90]}")
+        end = max(end, e["ts"] + dur)
+    busy = sum(e.get("dur", 0) for e in step)
+    lines.append(f"step: {end - step[0]['ts']:.1f} µs from first to last kernel, {busy:.1f} busy")
+    return lines
 
 
 def main() -> None:
@@ -67,6 +93,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--trace-dir", default="/tmp", help="the trace goes in a new folder here")
+    parser.add_argument(
+        "--timeline", action="store_true", help="also list one step's kernels in order, with gaps"
+    )
     args = parser.parse_args()
 
     cfg = MODELS[args.model](layer_pattern=args.pattern)
@@ -121,13 +150,16 @@ def main() -> None:
         for _ in range(args.steps):
             logits = engine.step(arrays, wait=False)
         jax.block_until_ready(logits)
-    total, calls = device_op_times(trace_dir)
+    events = device_events(trace_dir)
+    total, calls = device_op_times(events)
     # Every device's ops land in the trace: per device, averaged over the devices.
     runs = args.steps * args.tp
     overall = sum(total.values()) / runs
     print(f"device ops: {overall / 1e3:.3f} ms per step (per device)")
     for name, us in total.most_common(args.top):
         print(f"  {us / runs / 1e3:9.3f} ms {calls[name] // runs:5d}x  {name[:110]}")
+    if args.timeline:
+        print("\n".join(step_timeline(events, args.steps)))
 
 
 if __name__ == "__main__":
