@@ -131,10 +131,12 @@ def _lower_ssd(
     "cache_dtype, R", [(jnp.float32, 4), (jnp.bfloat16, 4), (jnp.float32, 256)]
 )
 def test_state_update_lowers(cache_dtype, R):
-    """One head per program, and (256 rows) 16 heads per program in a pipelined loop."""
+    """One head per program, and (256 rows) 16 heads per program in a pipelined loop.
+    ``D[H]`` reaches the kernel as it is (a scalar per head): no ``[H, P]`` broadcast before
+    the custom call, which was one more launch per decode step of every Mamba layer."""
     S, H, P, N, G = 8, 128, 64, 128, 2
 
-    def fn(cache, x, dt, A, B, C, slots):
+    def fn(cache, x, dt, A, B, C, slots, D):
         return state_update_triton.selective_state_update(
             cache,
             x,
@@ -143,7 +145,7 @@ def test_state_update_lowers(cache_dtype, R):
             B,
             C,
             slot_ids=slots,
-            D=None,
+            D=D,
             z=x,
             dt_bias=None,
             dt_softplus=True,
@@ -163,44 +165,7 @@ def test_state_update_lowers(cache_dtype, R):
         spec((R, G, N)),
         spec((R, G, N)),
         spec((R,), jnp.int32),
+        spec((H,), jnp.float32),
     )
     assert f"selective_state_update_bp64_bh{config.block_h}" in text
-
-
-def test_state_update_takes_per_head_D_as_it_is():
-    """``D[H]`` reaches the kernel as it is (a scalar per head, read in the kernel): no
-    ``[H, P]`` broadcast before the custom call, which was one more launch per decode
-    step of every Mamba layer."""
-    S, H, P, N, G, R = 8, 128, 64, 128, 2, 4
-    config = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
-
-    def fn(cache, x, dt, A, B, C, slots, D):
-        return state_update_triton.selective_state_update(
-            cache,
-            x,
-            dt,
-            A,
-            B,
-            C,
-            slot_ids=slots,
-            D=D,
-            z=None,
-            dt_bias=None,
-            dt_softplus=True,
-            dt_limit=(0.0, math.inf),
-            config=config,
-        )
-
-    text = lower_for_cuda(
-        fn,
-        spec((S, H, P, N), jnp.float32),
-        spec((R, H, P)),
-        spec((R, H)),
-        spec((H,), jnp.float32),
-        spec((R, G, N)),
-        spec((R, G, N)),
-        spec((R,), jnp.int32),
-        spec((H,), jnp.float32),
-    )
-    assert "selective_state_update" in text
     assert f"tensor<{H}x{P}xf32>" not in text, "D was broadcast to [H, P]"
