@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from pallas_kernels.backend import Op
 
@@ -70,6 +71,10 @@ def time_fn(
     jax.block_until_ready(fn())
     once_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
     calls = max(1, min(1000, round(min_sample_ms / once_ms)))
+    if jax.process_count() > 1:
+        # Every process must run the same programs (their collectives pair up): process
+        # 0's count.
+        calls = int(multihost_utils.broadcast_one_to_all(np.int32(calls)))
     times = []
     for _ in range(samples):
         start = time.perf_counter()
@@ -185,7 +190,7 @@ def row(
 def peak_bytes() -> int | None:
     """The most memory device 0 has held so far (None where the backend keeps no stats;
     with a mesh every device holds its shards, so device 0 stands for each)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 

@@ -6,10 +6,13 @@ import importlib.util
 import json
 import os
 
+import jax
+import numpy as np
 import pytest
 
 from benchmarks import attention as attention_benchmark
 from benchmarks import conv1d as conv1d_benchmark
+from benchmarks import harness
 from benchmarks import model as model_benchmark
 from benchmarks import plots, run_all
 from benchmarks import serving as serving_benchmark
@@ -136,3 +139,13 @@ def test_run_all_quick_keeps_going_past_a_failing_module(tmp_path, monkeypatch):
     # A second run of one module keeps the other's entry.
     run_all.run(("no_such_module",), quick=True, out_dir=tmp_path, echo=False)
     assert list(json.loads(path.read_text())["modules"]) == ["conv1d", "no_such_module"]
+
+
+def test_time_fn_runs_process_zeros_call_count(monkeypatch):
+    """Under several processes every one runs the same number of calls (their collectives
+    pair up, or they hang): process 0's count, not each one's own estimate."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(harness.multihost_utils, "broadcast_one_to_all", lambda x: np.int32(3))
+    calls = []
+    harness.time_fn(lambda: calls.append(1), warmup=2, samples=4)
+    assert len(calls) == 2 + 4 * 3
