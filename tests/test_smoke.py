@@ -12,9 +12,8 @@ import pytest
 
 from benchmarks import attention as attention_benchmark
 from benchmarks import conv1d as conv1d_benchmark
-from benchmarks import harness
+from benchmarks import harness, plots, run_all
 from benchmarks import model as model_benchmark
-from benchmarks import plots, run_all
 from benchmarks import serving as serving_benchmark
 from benchmarks import ssd as ssd_benchmark
 from flax_models import demo
