@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +44,54 @@ def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespa
         "--only", nargs="+", default=None, metavar="PROBLEM", help="run only these problems"
     )
     return parser.parse_args(argv)
+
+
+# Set by :func:`spawn_processes` in each process it starts: "index/count/port".
+PROCESS_ENV = "BENCHMARK_PROCESS"
+
+
+def spawn_processes(count: int, module: str, argv: Sequence[str]) -> int:
+    """Runs ``python -m module *argv`` as ``count`` processes of this host, joined by
+    ``jax.distributed`` on 127.0.0.1 (:func:`join_processes`), one GPU each; returns the
+    first non-zero exit code, else 0.
+
+    One process per GPU is how a multi-host job runs, and on one host it also gives every
+    GPU its own host thread: a process that drives several GPUs launches each step's
+    kernels for all of them, one after another, and a decode step's launch can outlast
+    its device time."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, *argv],
+            env={**os.environ, PROCESS_ENV: f"{index}/{count}/{port}"},
+        )
+        for index in range(count)
+    ]
+    codes = [proc.wait() for proc in procs]
+    return next((code for code in codes if code), 0)
+
+
+def join_processes() -> None:
+    """In a process started by :func:`spawn_processes`: ``jax.distributed.initialize`` with
+    this process's GPU (CPU devices talk through gloo); the processes after the first print
+    nothing (their rows are the first's). Elsewhere it does nothing. Call it before any
+    device is touched."""
+    spec = os.environ.get(PROCESS_ENV)
+    if spec is None:
+        return
+    index, count, port = (int(field) for field in spec.split("/"))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=count,
+        process_id=index,
+        local_device_ids=[index],  # GPUs only: CPU processes keep their own devices
+        initialization_timeout=300,
+    )
+    if index:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
 
 
 def selected(name: str, only: Sequence[str] | None) -> bool:
@@ -231,7 +283,7 @@ def report(
             f"{100 * r['roofline_fraction']:>7.1f}%"
             f"{'' if speedup is None else f'{speedup:.2f}x':>8}"
         )
-    if out is not None:
+    if out is not None and jax.process_index() == 0:
         payload = dict(
             title=title,
             device=device.device_kind,

@@ -1,7 +1,7 @@
 """End-to-end serving benchmark: hybrid models of real shapes (random init, bf16).
 
 ``python -m benchmarks.model [--out results.json] [--quick] [--models NAME ...]
-[--mesh tp=N ...] [--implementations auto xla]``. Models (``HybridConfig`` presets):
+[--mesh tp=N ...] [--implementations auto xla] [--processes N]``. Models (``HybridConfig`` presets):
 ``bamba-9b`` (dense: hidden 4096, 32 layers, attention at 9, 18, 27),
 ``nemotron3-nano-30b-a3b`` (MoE: hidden 2688, 52 layers of Mamba2, MoE and attention
 blocks, 128 experts top-6), ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers, 72
@@ -18,6 +18,11 @@ decode row's time is the time per output token of a long generation.
 ``"tp"``; ``flax_models.sharding``), the rows named ``model@tpN/case`` and, beside a tp=1
 row of the same case, ``speedup_vs_tp1``. The roofline of a tp=N row is the model's over N
 devices' measured ceilings (each device reads its shard of the weights and states).
+``--processes N`` runs the benchmark as N processes of this host, one GPU each, joined by
+``jax.distributed`` (as on several hosts; ``harness.spawn_processes``): a tp=N mesh then
+spans all N processes, each launching only its own GPU's kernels, and a tp=1 row is every
+process running its own copy (the first process's rows are reported, ``processes`` in
+each row says how many ran).
 
 The roofline counts *active* parameters: FLOPs use the k of E routed experts each token
 runs; bytes the experts a step reads. For decode steps those are the experts their rows
@@ -166,11 +171,17 @@ def _cost(
 
 def _mesh(tp: int) -> jax.sharding.Mesh | None:
     """The first ``tp`` devices on one axis ``"tp"`` (None for one device: the unsharded
-    model, not a one-device mesh)."""
+    model, not a one-device mesh; under several processes, each process's own)."""
     if tp == 1:
         return None
     if tp > jax.device_count():
         raise SystemExit(f"--mesh tp={tp}: only {jax.device_count()} devices")
+    if jax.process_count() > 1 and tp != jax.device_count():
+        # Every process runs every step: a mesh that left one out would hang the others.
+        raise SystemExit(
+            f"--mesh tp={tp}: under {jax.process_count()} processes a mesh spans all "
+            f"{jax.device_count()} devices (or tp=1)"
+        )
     return jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
 
 
@@ -298,6 +309,7 @@ def bench_model(
                         ceilings=ceilings,
                         model=name,
                         tp=tp,
+                        processes=jax.process_count(),
                         experts_touched=touched.get(case),
                         tokens=tokens,
                         tokens_per_s=tokens / (timing.median_ms * 1e-3),
@@ -337,6 +349,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     # Before the first device call: the allocator's share of each GPU (see the docstring).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     argv = list(sys.argv[1:] if argv is None else argv)
+    processes, argv = _take_option(argv, "--processes")
+    if processes is not None and harness.PROCESS_ENV not in os.environ:
+        if len(processes) != 1 or not processes[0].isdigit() or int(processes[0]) < 1:
+            raise SystemExit(f"--processes: expected one count N >= 1, got {processes}")
+        raise SystemExit(harness.spawn_processes(int(processes[0]), "benchmarks.model", argv))
+    harness.join_processes()
     # ``--models``, ``--mesh`` and ``--implementations`` are this module's own options;
     # the rest are the harness's.
     names, argv = _take_option(argv, "--models")

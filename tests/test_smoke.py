@@ -148,3 +148,22 @@ def test_time_fn_runs_process_zeros_call_count(monkeypatch):
     calls = []
     harness.time_fn(lambda: calls.append(1), warmup=2, samples=4)
     assert len(calls) == 2 + 4 * 3
+
+
+def test_model_benchmark_under_two_processes(tmp_path, monkeypatch):
+    """``--processes 2``: two processes joined by ``jax.distributed`` run one tp = 2 mesh
+    over both (one device each) and the first writes the rows; both stop on their own."""
+    out = tmp_path / "model.json"
+    # One CPU device a process (no forced device count), compiled fast.
+    env = fast_compile_env({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    monkeypatch.setenv("XLA_FLAGS", env.get("XLA_FLAGS", ""))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    argv = ["--quick", "--implementations", "auto", "--mesh", "tp=2", "--processes", "2"]
+    with pytest.raises(SystemExit) as stop:
+        model_benchmark.main([*argv, "--out", str(out), "--only", "tiny@tp2/decode-1x48"])
+    assert stop.value.code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["problem"], r["tp"], r["processes"]) for r in rows] == [
+        ("tiny@tp2/decode-1x48", 2, 2)
+    ]
+    assert rows[0]["tokens_per_s"] > 0
