@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -62,14 +63,18 @@ def spawn_processes(count: int, module: str, argv: Sequence[str]) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
-            env={**os.environ, PROCESS_ENV: f"{index}/{count}/{port}"},
-        )
-        for index in range(count)
-    ]
-    codes = [proc.wait() for proc in procs]
+    # A SIGTERM (a timeout) ends this process through the ``finally`` below, which takes
+    # the children with it: left running, they would hold their GPUs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    procs = []
+    try:
+        for index in range(count):
+            env = {**os.environ, PROCESS_ENV: f"{index}/{count}/{port}"}
+            procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+        codes = [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
     return next((code for code in codes if code), 0)
 
 

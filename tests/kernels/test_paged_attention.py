@@ -553,6 +553,77 @@ def test_paged_triton_kernels_lower_for_cuda(T, B):
         assert "attention_bwd_dq" in text and "attention_bwd_dkv" in text
 
 
+def test_paged_long_context_prefill_takes_wider_kv_steps():
+    """Paged prefill behind a long cached context (chunked prefill: cache_len >= 4 T) steps
+    over 128 keys, three stages deep; calls shaped like self-attention, contiguous caches,
+    pages of 64 keys and fp32 keep 64-key steps (or fewer), and the dQ kernel keeps 64."""
+
+    def blocks(num_tokens, cache_len, page_size, dtype=jnp.bfloat16):
+        return attention_triton.default_block_sizes(
+            num_tokens=num_tokens,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            cache_len=cache_len,
+            dtype=dtype,
+            page_size=page_size,
+        )
+
+    chunked = blocks(4096, 32768, 256)
+    assert (chunked.block_k, chunked.num_stages) == (128, 3)
+    backward = attention_triton.default_backward_block_sizes(
+        chunked, group=4, head_dim=128, dtype=jnp.bfloat16, page_size=256
+    )
+    assert (backward.dq_block_k, backward.dkv_block_k) == (64, 128)
+    for other in (
+        blocks(16384, 4096, 256),  # dense causal
+        blocks(7680, 4096, 256),  # ragged tail
+        blocks(4096, 32768, None),  # contiguous
+        blocks(4096, 32768, 64),  # the page holds 64 keys
+    ):
+        assert (other.block_k, other.num_stages) == (64, 3)
+    assert blocks(4096, 32768, 256, jnp.float32).block_k == 32
+
+
+@pytest.mark.gpu
+def test_paged_triton_long_context_real_size():
+    """Chunked prefill on a long paged context with the default tiles (128-key steps) at
+    real size, bf16: the contiguous Triton kernel's output (64-key steps) and the xla
+    path's, within bf16 tolerance; NaN past every sequence's keys is never read."""
+    case = PagedCase("long", (512, 300, 512, 17), (8704, 2348, 6000, 8000), max_blocks=36)
+    batch = make_paged_batch(
+        np.random.default_rng(9),
+        case,
+        block_size=256,
+        dtype=jnp.bfloat16,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
+    config = api._triton_default_config(batch.q, batch.k_pool, block_table=batch.block_table)
+    assert config.block_k == 128
+    paged = pk.masked_tail_attention(
+        batch.q, batch.k_pool, batch.v_pool, **batch.kwargs(), implementation="triton"
+    )
+    contiguous = pk.masked_tail_attention(
+        batch.q,
+        jnp.asarray(batch.k_seq, jnp.bfloat16),
+        jnp.asarray(batch.v_seq, jnp.bfloat16),
+        **batch.kwargs(paged=False),
+        implementation="triton",
+    )
+    reference = pk.masked_tail_attention(
+        batch.q.astype(jnp.float32),
+        batch.k_pool.astype(jnp.float32),
+        batch.v_pool.astype(jnp.float32),
+        **batch.kwargs(),
+        implementation="xla",
+    )
+    assert np.all(np.isfinite(as_f32(paged)))
+    assert_close(as_f32(paged), as_f32(contiguous), rtol=1e-2, name="paged vs contiguous")
+    assert_close(as_f32(paged), as_f32(reference), rtol=tolerance_for(jnp.bfloat16), name="xla")
+
+
 @pytest.mark.parametrize(("block_size", "block_k"), [(256, 128), (64, 64)])
 def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
     """The Mosaic GPU backend with the page read from the block table lowers for Hopper on
