@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,6 +58,7 @@ from flax_models.cache import AttentionCache, LayerCache, MambaCache, ParallelCa
 from flax_models.config import HybridConfig
 from flax_models.lazy_tensors import LazyTensor
 
+PyTree = Any  # an array or a nested tuple, list or dict of arrays
 TP = "tp"  # the mesh axis the heads are split over
 DP = "dp"  # the mesh axis the engine's sequence slots are split over
 
@@ -100,10 +102,11 @@ def with_tp_axis(mesh: Mesh | None) -> Mesh | None:
     return Mesh(mesh.devices[..., None], (*mesh.axis_names, TP))
 
 
-def psum_tp(x: jax.Array) -> jax.Array:
-    """``x`` summed over ``"tp"`` inside ``shard_call``; ``x`` itself on a ``"tp"`` axis of
-    size 1 (a dp-only mesh), where a ``psum`` would still compile to an all-reduce over
-    groups of one device, launched once per mixer."""
+def psum_tp(x: PyTree) -> PyTree:
+    """``x`` (an array or a tuple of arrays: one all-reduce for all of them) summed over
+    ``"tp"`` inside ``shard_call``; ``x`` itself on a ``"tp"`` axis of size 1 (a dp-only
+    mesh), where a ``psum`` would still compile to an all-reduce over groups of one
+    device, launched once per mixer."""
     return x if jax.lax.axis_size(TP) == 1 else jax.lax.psum(x, TP)
 
 
