@@ -31,7 +31,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels._pallas import block_dim, compiler_params, masked_load, static_index
 from pallas_kernels.conv1d.triton import conv_step, load_conv_taps, store_conv_window
-from pallas_kernels.state_update.triton import BlockSizes, d_skip, for_each_head, ssm_advance
+from pallas_kernels.state_update.triton import BlockSizes, d_skip, ssm_advance
 from pallas_kernels.state_update.triton import default_block_sizes as _state_update_blocks
 
 __all__ = ["BlockSizes", "default_block_sizes", "mamba2_decode"]
@@ -135,7 +135,14 @@ def _kernel(
         squares_ref[r, h, pb] = jnp.zeros((), f32)
         return carry
 
-    for_each_head(slot, block_h, advance, zero)
+    def heads(body):
+        if block_h == 1:
+            body(0, None)
+        else:
+            jax.lax.fori_loop(0, block_h, body, None)
+
+    pl.when(slot >= 0)(lambda: heads(advance))
+    pl.when(slot < 0)(lambda: heads(zero))
 
 
 def mamba2_decode(

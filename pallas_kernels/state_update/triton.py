@@ -70,20 +70,6 @@ def default_block_sizes(
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
 
 
-def for_each_head(slot, block_h: int, advance, zero) -> None:
-    """Runs ``advance(i, None)`` for the program's heads ``i = 0 .. block_h - 1`` (a loop
-    Triton pipelines) when its row's ``slot`` is live, else ``zero(i, None)``."""
-
-    def heads(body):
-        if block_h == 1:
-            body(0, None)
-        else:
-            jax.lax.fori_loop(0, block_h, body, None)
-
-    pl.when(slot >= 0)(lambda: heads(advance))
-    pl.when(slot < 0)(lambda: heads(zero))
-
-
 def ssm_advance(state, x, B, C, dt, decay):
     """One token of one head on a ``[bp, bn]`` state tile (fp32): ``state ← decay · state +
     dt x ⊗ B``; returns ``(state, y = state · C)``, y ``[bp]``."""
@@ -177,7 +163,14 @@ def _kernel(
         plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], jnp.zeros((bp,), y_ref.dtype), mask=p_live)
         return carry
 
-    for_each_head(slot, block_h, advance, zero)
+    def heads(body):
+        if block_h == 1:
+            body(0, None)
+        else:
+            jax.lax.fori_loop(0, block_h, body, None)
+
+    pl.when(slot >= 0)(lambda: heads(advance))
+    pl.when(slot < 0)(lambda: heads(zero))
 
 
 def selective_state_update(
