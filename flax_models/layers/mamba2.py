@@ -88,20 +88,18 @@ class Mamba2Mixer(nnx.Module):
         def body(local, h, batch, cache):
             local.norm_devices = norm_devices
             kernel = local.out_proj.kernel[...]
-            if not fold_norm:
-                y, cache = local._mix(h, batch, cache)
-                part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
-                return psum_tp(part), cache
-            if local._decode_only(h, batch):
-                terms, squares, cache = local._fused_decode(h, batch, cache)
-                squares = squares.sum(axis=-1)  # the device's one group
-            else:
+            if fold_norm:
                 y, z, cache = local._ssm(h, batch, cache)
                 terms, squares = local._norm_terms(y, z)
-            part = jnp.dot(terms.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
-            part, squares = psum_tp((part, squares))
-            inv_rms = local._inv_rms(squares, terms.shape[-1] * tp)
-            return (part.astype(jnp.float32) * inv_rms[:, None]).astype(part.dtype), cache
+                part = jnp.dot(
+                    terms.astype(kernel.dtype), kernel, precision=local.out_proj.precision
+                )
+                part, squares = psum_tp((part, squares))
+                inv_rms = local._inv_rms(squares, terms.shape[-1] * tp)
+                return (part.astype(jnp.float32) * inv_rms[:, None]).astype(part.dtype), cache
+            y, cache = local._mix(h, batch, cache)
+            part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
+            return psum_tp(part), cache
 
         spec = mamba_cache_spec(cache)
         out, cache = shard_call(self, body, (h, batch, cache), (P(), P(), spec), (P(), spec))
@@ -114,14 +112,6 @@ class Mamba2Mixer(nnx.Module):
     ) -> tuple[jax.Array, MambaCache]:
         """Steps 1-4: everything before the output projection; y[T, d_inner]."""
         cfg = self.cfg
-        if self._decode_only(h, batch) and self.norm_devices == 1:
-            terms, squares, cache = self._fused_decode(h, batch, cache)
-            if squares is None:  # no norm: the gated y
-                return terms, cache
-            T, d = terms.shape
-            inv_rms = self._inv_rms(squares, d // squares.shape[1])  # [T, G]
-            y = terms.reshape(T, squares.shape[1], -1) * inv_rms[..., None]
-            return y.reshape(T, d).astype(h.dtype), cache
         y, z, cache = self._ssm(h, batch, cache)
         # 4) Gated grouped RMSNorm (groups of d_inner / G); the output projection follows.
         if self.norm_weight is not None and self.norm_devices > 1:
@@ -137,43 +127,6 @@ class Mamba2Mixer(nnx.Module):
                 implementation=self.implementation,
             )
         return y, cache
-
-    def _decode_only(self, h: jax.Array, batch: ForwardBatch) -> bool:
-        """A step of decode rows only (static): ``_fused_decode`` serves it."""
-        return 0 < batch.num_decode == h.shape[0] and self.cfg.mamba_conv_kernel >= 2
-
-    def _fused_decode(
-        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
-    ) -> tuple[jax.Array, jax.Array | None, MambaCache]:
-        """Decode rows: in_proj, then the conv update, the SSM update and the gate in one
-        kernel reading in_proj's row in place (``pk.mamba2_decode``; at one row the split
-        of that row, the conv, the SSM and the norm were eight launches). Returns
-        ``(terms, squares[T, G], cache)`` as :meth:`_norm_terms` does, per norm group;
-        without a norm ``(y · silu(z), None, cache)``."""
-        cfg = self.cfg
-        zxbcdt = self._scale_segments(self.in_proj(scaled(h, cfg.mamba_in_multiplier)))
-        gate_first = self.norm_weight is None or not cfg.mamba_norm_before_gate
-        u, squares, conv_state, ssm_state = pk.mamba2_decode(
-            zxbcdt,
-            cache.conv_state,
-            cache.ssm_state,
-            self.conv_weight[...],
-            self._A(),
-            slot_ids=batch.slot_ids,
-            conv_bias=self._conv_bias(),
-            gate=gate_first,
-            **self._ssm_params(),
-        )
-        cache = dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
-        if cache.has_snapshots and batch.snapshots is not None:
-            cache = self._save_decode_snapshots(batch, cache)
-        if self.norm_weight is None:
-            return u, None, cache
-        f32 = jnp.float32
-        terms = u.astype(f32) * self.norm_weight[...].astype(f32)
-        if cfg.mamba_norm_before_gate:
-            terms = terms * silu(zxbcdt[:, : cfg.mamba_d_inner].astype(f32))
-        return terms, squares.reshape(u.shape[0], cfg.mamba_groups, -1).sum(axis=-1), cache
 
     def _ssm(
         self, h: jax.Array, batch: ForwardBatch, cache: MambaCache

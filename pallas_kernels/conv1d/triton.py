@@ -605,46 +605,6 @@ def causal_conv1d(
 # ------------------------------------------------------------------------------ decode
 
 
-def load_conv_taps(w_ref, bias_ref, cache_ref, slot, d0, block_d: int, d_live, *, width: int):
-    """Channels ``d0 .. d0 + block_d`` (``d_live`` masks the tail) of a decode conv:
-    ``(weights, bias, window)``, fp32 ``[block_d]`` vectors: the ``width`` taps of
-    ``w_ref[dim, K]``, the bias (None without ``bias_ref``) and the ``K - 1`` cached inputs
-    of slot ``slot`` in ``cache_ref[S, K-1, dim]``, oldest first."""
-    channels = pl.ds(d0, block_d)
-    weights = [
-        plgpu.load(w_ref.at[channels, static_index(k)], mask=d_live, other=0.0).astype(jnp.float32)
-        for k in range(width)
-    ]
-    bias = None
-    if bias_ref is not None:
-        bias = plgpu.load(bias_ref.at[channels], mask=d_live, other=0.0).astype(jnp.float32)
-    window = tuple(
-        plgpu.load(cache_ref.at[slot, static_index(j), channels], mask=d_live, other=0.0).astype(
-            jnp.float32
-        )
-        for j in range(width - 1)
-    )
-    return weights, bias, window
-
-
-def conv_step(window, current, weights, bias):
-    """One output of the causal conv before its activation: the cached ``window`` (K - 1
-    inputs) and this token's ``current`` input against the K ``weights``, plus ``bias``."""
-    y = sum(tap * w for tap, w in zip((*window, current), weights, strict=True))
-    return y if bias is None else y + bias
-
-
-def store_conv_window(cache_ref, slot, d0, block_d: int, d_live, window) -> None:
-    """Writes the K - 1 inputs ``window`` back as slot ``slot``'s conv state (channels
-    ``d0 .. d0 + block_d``)."""
-    for j, column in enumerate(window):
-        plgpu.store(
-            cache_ref.at[slot, static_index(j), pl.ds(d0, block_d)],
-            column.astype(cache_ref.dtype),
-            mask=d_live,
-        )
-
-
 def _update_kernel(
     slot_ref,  # [Bd] int32
     x_ref,  # [Bd, L, dim]
@@ -668,24 +628,45 @@ def _update_kernel(
 
     @pl.when(slot >= 0)
     def _():
-        weights, bias, window = load_conv_taps(
-            w_ref, bias_ref, cache_ref, slot, d0, block_d, d_live, width=width
+        weights = [
+            plgpu.load(
+                w_ref.at[pl.ds(d0, block_d), static_index(k)], mask=d_live, other=0.0
+            ).astype(jnp.float32)
+            for k in range(width)
+        ]
+        bias = None
+        if bias_ref is not None:
+            bias = plgpu.load(bias_ref.at[pl.ds(d0, block_d)], mask=d_live, other=0.0)
+            bias = bias.astype(jnp.float32)
+        window = tuple(
+            plgpu.load(
+                cache_ref.at[slot, static_index(j), pl.ds(d0, block_d)], mask=d_live, other=0.0
+            ).astype(jnp.float32)
+            for j in range(width - 1)
         )
 
         def step(l, window):
             current = plgpu.load(x_ref.at[r, l, pl.ds(d0, block_d)], mask=d_live, other=0.0).astype(
                 jnp.float32
             )
-            y = conv_step(window, current, weights, bias)
+            taps = (*window, current)
+            y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
+            if bias is not None:
+                y = y + bias
             plgpu.store(
                 y_ref.at[r, l, pl.ds(d0, block_d)],
                 _activate(y, activation, approx_tanh=approx_tanh).astype(y_ref.dtype),
                 mask=d_live,
             )
-            return (*window, current)[1:]
+            return taps[1:]
 
         window = jax.lax.fori_loop(0, steps, step, window)
-        store_conv_window(cache_ref, slot, d0, block_d, d_live, window)
+        for j in range(width - 1):
+            plgpu.store(
+                cache_ref.at[slot, static_index(j), pl.ds(d0, block_d)],
+                window[j].astype(cache_ref.dtype),
+                mask=d_live,
+            )
 
     @pl.when(slot < 0)
     def _():

@@ -70,23 +70,6 @@ def default_block_sizes(
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
 
 
-def ssm_advance(state, x, B, C, dt, decay):
-    """One token of one head on a ``[bp, bn]`` state tile (fp32): ``state ← decay · state +
-    dt x ⊗ B``; returns ``(state, y = state · C)``, y ``[bp]``."""
-    state = decay * state + (dt * x)[:, None] * B[None, :]
-    return state, jnp.sum(state * C[None, :], axis=1)
-
-
-def d_skip(D_ref, h, p0, bp: int, p_live, x):
-    """``D x`` of head ``h``'s rows ``p0 .. p0 + bp`` (``D_ref[H]`` a scalar per head or
-    ``D_ref[H, P]``); 0 without D."""
-    if D_ref is None:
-        return 0.0
-    if len(D_ref.shape) == 1:
-        return D_ref[h] * x
-    return masked_load(D_ref.at[h, pl.ds(p0, bp)], p_live) * x
-
-
 def _kernel(
     slot_ref,  # [Bd] int32
     x_ref,  # [Bd, H, P]
@@ -150,9 +133,13 @@ def _kernel(
         n_live = None if exact_tile else jnp.arange(bn) < state_dim
         B = masked_load(B_ref.at[r, g, pl.ds(static_index(0), bn)], n_live).astype(jnp.float32)
         C = masked_load(C_ref.at[r, g, pl.ds(static_index(0), bn)], n_live).astype(jnp.float32)
-        state, y = ssm_advance(state, x, B, C, dt, decay)
+        state = decay * state + (dt * x)[:, None] * B[None, :]
         plgpu.store(cache_tile, state.astype(cache_ref.dtype), mask=tile)
-        y = y + d_skip(D_ref, h, p0, bp, p_live, x)
+        y = jnp.sum(state * C[None, :], axis=1)
+        if D_ref is not None and len(D_ref.shape) == 1:
+            y = y + D_ref[h] * x
+        elif D_ref is not None:
+            y = y + masked_load(D_ref.at[h, pl.ds(p0, bp)], p_live) * x
         if z_ref is not None:
             y = y * silu(masked_load(z_ref.at[r, h, pl.ds(p0, bp)], p_live).astype(jnp.float32))
         plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], y.astype(y_ref.dtype), mask=p_live)

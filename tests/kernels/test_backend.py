@@ -19,7 +19,6 @@ import pallas_kernels as pk
 from pallas_kernels.attention import api as attention_api
 from pallas_kernels.backend import Backend, Call, Op
 from pallas_kernels.conv1d import api as conv_api
-from pallas_kernels.mamba_decode import api as mamba_decode_api
 from pallas_kernels.norm import api as norm_api
 from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.ssd import api as ssd_api
@@ -392,7 +391,6 @@ def test_mosaic_attention_names_what_it_cannot_serve():
     [
         ssd_api.SSD_SCAN,
         state_update_api.SELECTIVE_STATE_UPDATE,
-        mamba_decode_api.MAMBA2_DECODE,
         conv_api.CAUSAL_CONV1D,
         conv_api.CAUSAL_CONV1D_UPDATE,
         attention_api.MASKED_TAIL_ATTENTION,
