@@ -557,9 +557,13 @@ class Engine:
         """``array`` on the device, replicated over the model's mesh when it has one."""
         if self._mesh is None:  # (jnp.asarray would compile a program per shape)
             return jax.device_put(array)
-        return jax.device_put(
-            array, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
-        )
+        replicated = jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+        if jax.process_count() > 1:
+            # Every process holds the same host array, the whole of a replicated one.
+            # device_put onto a mesh spanning other processes' devices costs 1.75 ms a call
+            # (two CPU processes, measured), this 0.03 ms.
+            return jax.make_array_from_process_local_data(replicated, array)
+        return jax.device_put(array, replicated)
 
     def _device_tables(self) -> jax.Array:
         """``blocks.tables`` on the device, copied when it changed."""
