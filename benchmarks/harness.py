@@ -56,16 +56,15 @@ def spawn_processes(count: int, module: str, argv: Sequence[str]) -> int:
     ``jax.distributed`` on 127.0.0.1 (:func:`join_processes`), one GPU each; returns the
     first non-zero exit code, else 0.
 
-    One process per GPU is how a multi-host job runs, and on one host it also gives every
-    GPU its own host thread: a process that drives several GPUs launches each step's
-    kernels for all of them, one after another, and a decode step's launch can outlast
-    its device time."""
+    One process per GPU is how a multi-host job runs; on one host it also gives every GPU
+    a host thread of its own to launch its kernels (a process that drives several launches
+    each step's kernels for all of them)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # A SIGTERM (a timeout) ends this process through the ``finally`` below, which takes
     # the children with it: left running, they would hold their GPUs.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs = []
     try:
         for index in range(count):
@@ -75,6 +74,7 @@ def spawn_processes(count: int, module: str, argv: Sequence[str]) -> int:
     finally:
         for proc in procs:
             proc.kill()
+        signal.signal(signal.SIGTERM, previous)
     return next((code for code in codes if code), 0)
 
 
