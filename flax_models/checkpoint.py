@@ -273,7 +273,7 @@ def load_hf_checkpoint(
     for path, var in nnx.to_flat_state(state):
         names = tuple(map(str, path))
         value = tp_layout(names, filled[".".join(names)], cfg, tp)
-        sharding = NamedSharding(mesh, param_spec(names, value.ndim))
+        sharding = NamedSharding(mesh, param_spec(names, value.shape, tp))
         array = jax.make_array_from_callback(value.shape, sharding, _shard_reader(value, var.dtype))
         flat.append((path, var.replace(array)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

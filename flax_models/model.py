@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch, make_forward_batch
@@ -251,7 +252,7 @@ class HybridLM(nnx.Module):
         if self.mesh is not None and not isinstance(input_ids, jax.core.Tracer):
             # One program: op-by-op dispatch would run every op of every shard_map body
             # as its own program.
-            return _dense_jit(self, input_ids)
+            return _dense_whole_logits(self, input_ids)
         return self._dense(input_ids)
 
     def _dense(self, input_ids: jax.Array) -> jax.Array:
@@ -308,4 +309,11 @@ def _create_sharded(
     return create(rngs)
 
 
-_dense_jit = nnx.jit(HybridLM._dense)
+@nnx.jit
+def _dense_whole_logits(model: HybridLM, input_ids: jax.Array) -> jax.Array:
+    """``model._dense`` as one program on the model's mesh, the logits whole on every
+    device: a split head leaves them split over its vocabulary, and a caller holding
+    concrete ids reads them (under several processes, from its own devices). Traced calls
+    keep them split (a loss reduces over them where they lie)."""
+    logits = model._dense(input_ids)
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(model.mesh, P()))

@@ -19,6 +19,8 @@ contiguous split over tp gives each device exactly its own segments:
 - Attention ``k_proj``/``v_proj``: KV heads split when tp divides ``num_kv_heads``, else each
   device holds a copy of the KV head its query heads use.
 - Gated experts' fused ``gate | up``: device d's block is ``gate_d | up_d``.
+- The untied head ``lm_head``: its vocabulary split when tp divides it, so a step's
+  logits come out split over the devices.
 
 ``tp_layout`` maps a parameter from the single-device layout (the checkpoints') to this one;
 the model's init and ``load_hf_checkpoint`` both go through it, so a sharded model has the
@@ -233,8 +235,14 @@ _ROW = ("out_proj", "o_proj", "down")  # input split, output all-reduced
 _HEADS = ("conv_weight", "conv_bias", "A_log", "D", "dt_bias", "norm_weight")
 
 
-def param_spec(path: tuple[str, ...], ndim: int) -> P:
-    """The ``PartitionSpec`` of the parameter at module ``path`` (replicated when no rule)."""
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
+    """The ``PartitionSpec`` of the parameter of ``shape`` at module ``path`` on ``tp``
+    devices (replicated when no rule).
+
+    The untied head ``lm_head`` splits its vocabulary (the logits come out split over tp,
+    and the sampler reduces over them where it runs): at one row it is the largest single
+    read of a decode step. A vocabulary tp does not divide keeps it whole, as does a head
+    tied to the embedding table (the lookup would need the table whole)."""
     name = path[-1]
     owner = path[-2] if len(path) > 1 else ""
     if owner in _COLUMN:
@@ -242,12 +250,14 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
     if owner in _ROW:
         return P(TP, None) if name == "kernel" else P()
     if name in _HEADS:
-        return P(TP, *([None] * (ndim - 1)))
+        return P(TP, *([None] * (len(shape) - 1)))
     if name == "experts_up":
         return P(None, None, TP)
     if name == "experts_down":
         return P(None, TP, None)
-    return P()  # embeddings, norms, head, routers
+    if owner == "lm_head" and name == "kernel" and shape[-1] % tp == 0:
+        return P(None, TP)
+    return P()  # embeddings, norms, routers
 
 
 # Caches are split as the mixers' heads: conv channels (tp-major x | B | C), SSM heads, KV
@@ -302,7 +312,12 @@ def cache_specs(
 def state_shardings(state, mesh: Mesh):
     """A ``NamedSharding`` per variable of an ``nnx.State`` (same tree)."""
     flat = [
-        (path, var.replace(NamedSharding(mesh, param_spec(tuple(map(str, path)), var.ndim))))
+        (
+            path,
+            var.replace(
+                NamedSharding(mesh, param_spec(tuple(map(str, path)), var.shape, tp_size(mesh)))
+            ),
+        )
         for path, var in nnx.to_flat_state(state)
     ]
     return nnx.from_flat_state(flat)
@@ -342,7 +357,7 @@ def shard_call(module, body, args, in_specs, out_specs, *, groups: int | None = 
     flat = list(nnx.to_flat_state(nnx.state(module)))
     paths = [tuple(map(str, path)) for path, _ in flat]
     values = [var[...] for _, var in flat]
-    specs = [param_spec(path, value.ndim) for path, value in zip(paths, values, strict=True)]
+    specs = [param_spec(path, value.shape, tp) for path, value in zip(paths, values, strict=True)]
     graphdef = _local_graphdef(
         type(module), local_config(module.cfg, tp), module.dtype, module.implementation
     )

@@ -114,8 +114,15 @@ out["specs"] = {
         ("in_proj", mixer.in_proj.kernel), ("out_proj", mixer.out_proj.kernel),
         ("A_log", mixer.A_log), ("q_proj", model.layers[2].mixer.q_proj.kernel),
         ("mlp.down", model.layers[0].mlp.down.kernel), ("embed", model.embed.embedding),
+        ("lm_head", model.lm_head.kernel),
     ]
 }
+# Traced, the logits stay split over the vocabulary (the head's columns); an eager call
+# gathers them whole.
+out["logits_spec"] = [
+    [str(a) for a in logits.sharding.spec]
+    for logits in (forward(model, ids % cfg.vocab_size), model(ids % cfg.vocab_size))
+]
 out["shard_shape"] = list(mixer.in_proj.kernel[...].addressable_shards[0].data.shape)
 out["full_shape"] = list(mixer.in_proj.kernel[...].shape)
 lap("init")
@@ -280,7 +287,10 @@ def test_parameters_and_caches_are_split(results):
         "q_proj": ["None", "tp"],
         "mlp.down": ["tp", "None"],
         "embed": ["None", "None"],
+        "lm_head": ["None", "tp"],
     }
+    traced, eager = results["logits_spec"]
+    assert traced[-1] == "tp" and "tp" not in eager
     full, shard = results["full_shape"], results["shard_shape"]
     assert shard == [full[0], full[1] // 2]
     assert results["cache_spec"][:2] == ["None", "tp"]
@@ -363,9 +373,15 @@ def test_tp_major_layout_puts_each_devices_segments_together():
 
 
 def test_param_specs_and_checks():
-    assert param_spec(("layers", "0", "mixer", "in_proj", "kernel"), 2) == jax.P(None, "tp")
-    assert param_spec(("layers", "0", "mixer", "o_proj", "bias"), 1) == jax.P()
-    assert param_spec(("layers", "0", "mixer", "conv_weight"), 2) == jax.P("tp", None)
+    assert param_spec(("layers", "0", "mixer", "in_proj", "kernel"), (64, 96), 2) == jax.P(
+        None, "tp"
+    )
+    assert param_spec(("layers", "0", "mixer", "o_proj", "bias"), (64,), 2) == jax.P()
+    assert param_spec(("layers", "0", "mixer", "conv_weight"), (96, 4), 2) == jax.P("tp", None)
+    # The head splits its vocabulary when tp divides it, else stays whole.
+    assert param_spec(("lm_head", "kernel"), (64, 256), 4) == jax.P(None, "tp")
+    assert param_spec(("lm_head", "kernel"), (64, 250), 4) == jax.P()
+    assert param_spec(("embed", "embedding"), (256, 64), 4) == jax.P()
     check_tp(HybridConfig.tiny(), 2)
     with pytest.raises(ValueError, match="num_kv_heads"):
         check_tp(HybridConfig.tiny(num_heads=6, num_kv_heads=3, mamba_groups=1), 2)
