@@ -2,7 +2,7 @@
 
 ``PYTHONPATH=. python3 tools/profile_step.py [--model bamba-9b] [--pattern MMMM*] [--rows 256]``
 ``[--context 4096] [--prompt 0] [--impl auto] [--tp 1] [--top 25] [--trace-dir DIR]``
-``[--timeline]``
+``[--timeline] [--host]``
 
 Builds a model of one of ``benchmarks.model``'s shapes (Bamba-9B by default) with the given
 layer pattern (random init, bf16; a few
@@ -35,9 +35,10 @@ from flax_models.engine import Engine
 from flax_models.model import HybridLM
 
 
-def device_events(trace_dir: Path) -> list[dict]:
-    """The device (GPU) tracks' complete events of the Perfetto trace, in time order (every
-    track on a machine without GPU tracks, so a CPU run still says something)."""
+def trace_events(trace_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(device, host) complete events of the Perfetto trace, each in time order. Device
+    events are the GPU tracks' (every track on a machine without GPU tracks, so a CPU run
+    still says something); host events the rest."""
     path = next(trace_dir.rglob("perfetto_trace.json.gz"))
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -49,8 +50,33 @@ def device_events(trace_dir: Path) -> list[dict]:
     device = {pid for pid, name in processes.items() if "GPU" in name or "/device:" in name}
     if not device:
         device = set(processes)
-    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
-    return sorted(spans, key=lambda e: e["ts"])
+    spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    return (
+        [e for e in spans if e["pid"] in device],
+        [e for e in spans if e["pid"] not in device],
+    )
+
+
+def host_thread_times(events: list[dict]) -> list[str]:
+    """Per host thread: its busy span (the union of its top-level events) and the events
+    that took the most time on it, inclusive of what they call (µs over the whole trace)."""
+    lines = []
+    for thread in sorted({(e["pid"], e["tid"]) for e in events}):
+        track = [e for e in events if (e["pid"], e["tid"]) == thread]
+        busy, end = 0.0, float("-inf")
+        for e in track:  # time order: an event inside the previous one adds nothing
+            start, stop = e["ts"], e["ts"] + e.get("dur", 0)
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        if busy < 100:
+            continue
+        total, calls = device_op_times(track)
+        lines.append(f"host thread {thread}: {busy / 1e3:.3f} ms busy")
+        lines += [
+            f"  {us / 1e3:9.3f} ms {calls[name]:6d}x  {name[:100]}"
+            for name, us in total.most_common(12)
+        ]
+    return lines
 
 
 def device_op_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter]:
@@ -95,6 +121,9 @@ def main() -> None:
     parser.add_argument("--trace-dir", default="/tmp", help="the trace goes in a new folder here")
     parser.add_argument(
         "--timeline", action="store_true", help="also list one step's kernels in order, with gaps"
+    )
+    parser.add_argument(
+        "--host", action="store_true", help="also list each host thread's busiest events"
     )
     args = parser.parse_args()
 
@@ -150,7 +179,7 @@ def main() -> None:
         for _ in range(args.steps):
             logits = engine.step(arrays, wait=False)
         jax.block_until_ready(logits)
-    events = device_events(trace_dir)
+    events, host = trace_events(trace_dir)
     total, calls = device_op_times(events)
     # Every device's ops land in the trace: per device, averaged over the devices.
     runs = args.steps * args.tp
@@ -160,6 +189,9 @@ def main() -> None:
         print(f"  {us / runs / 1e3:9.3f} ms {calls[name] // runs:5d}x  {name[:110]}")
     if args.timeline:
         print("\n".join(step_timeline(events, args.steps)))
+    if args.host:
+        print(f"host, over {args.steps} steps:")
+        print("\n".join(host_thread_times(host)))
 
 
 if __name__ == "__main__":
