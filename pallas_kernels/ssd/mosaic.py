@@ -5,16 +5,16 @@ chunk-aligned varlen layout; both follow FlashAttention-3's thread block (Shah e
 arXiv 2407.08608): a producer warpgroup TMA-copies tiles into a ring of shared-memory
 slots, two consumer warpgroups run wgmma on them with fp32 accumulators in registers.
 
-**State scan** (:func:`state_scan`). dt' and the within-chunk cumulative decay ``cum`` are
-computed in ``jnp`` (:func:`chunk_decay_inputs`: a gather per chunk and a cumsum, what the
-Triton state scan writes). One thread block per (two heads of a group, sequence),
-longest sequences first, walks the sequence's chunks in 128-row steps: a ring slot holds
-the step's B rows (read once for both heads) and each head's x rows; consumer k keeps
-head ``h0 + k``'s state ``s[P, N]`` in registers, stores it (in C's dtype) as the state
-entering each chunk, and per chunk computes ``s ← exp(cum_end) s + (x ∘ w)ᵀ B`` with
-``w_j = exp(cum_end − cum_j) dt'_j`` (x weighted in shared memory, then one wgmma per 64
-state columns). Final states only; intermediate states and N = 256 use the Triton state
-scan (:func:`state_scan_supports`).
+**State scan** (:func:`state_scan`). dt', the within-chunk cumulative decay ``cum`` (what
+the Triton state scan writes) and the decay weights come from one small Triton launch
+(``triton.chunk_decay``, a program per chunk and 16 heads). One thread block per (two heads
+of a group, sequence), longest sequences first, walks the sequence's chunks in 128-row steps
+(none past a chunk's end): a ring slot holds the step's B rows (read once for both heads)
+and each head's x rows; consumer k keeps head ``h0 + k``'s state ``s[P, N]`` in registers,
+stores it (in C's dtype) as the state entering each chunk, and per chunk computes ``s ←
+exp(cum_end) s + (x ∘ w)ᵀ B`` with ``w_j = exp(cum_end − cum_j) dt'_j`` (x weighted in
+shared memory, then one wgmma per 64 state columns). Final states only; intermediate states
+and N = 256 use the Triton state scan (:func:`state_scan_supports`).
 
 **Chunk scan** (:func:`chunk_scan`). For each chunk ``c`` and head ``h``,
 
@@ -27,8 +27,10 @@ then per head x, the carried state, dt', cum (and D); consumer k owns the row bl
 entries only, the rest selected to 0) into shared memory, once for all heads of the
 block (the group's ``C Bᵀ`` is shared by its heads: neither recomputed per head nor read
 from memory); then per head ``C·sᵀ`` and ``W x`` (``W = C Bᵀ ∘ exp(cum_i − cum_j) dt'_j``
-built in registers, the wgmma A operand) accumulate in fp32. Keeping ``C Bᵀ`` in shared
-memory, not registers, is what keeps the consumers from spilling.
+built in registers, the wgmma A operand) accumulate in fp32; below the diagonal block the
+decay factors through the row block's first row, an exponential per column instead of
+per entry. Keeping ``C Bᵀ`` in shared memory, not registers, is what keeps the consumers
+from spilling.
 
 Chunks start at any packed row. TMA into tiled shared memory needs tile-aligned rows, so
 the producers copy C, B and x through swizzle-only views (``plgpu.RefUnion``) of the
@@ -58,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import decay_factor, process_dt, silu
+from pallas_kernels._common import decay_factor, silu
 from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
@@ -341,26 +343,40 @@ def _kernel(
                             plgpu.wgmma(acc_ref, c_tiles.at[t, rows_b], state_t.T)
                         return acc_ref[...]
 
+                    # Below the diagonal block the decay factors through the row block's
+                    # first row r (cum falls along the chunk: cum_i <= cum_r <= cum_j):
+                    # exp(cum_i - cum_j) = exp(cum_i - cum_r) exp(cum_r - cum_j), both <= 1,
+                    # so those blocks take an exponential per column, not per entry, and
+                    # the row factor scales the sum once (with the carried state's term,
+                    # exp(cum_i) = exp(cum_i - cum_r) exp(cum_r)).
+                    cum_r = cum_smem[slot, b * _ROWS]
                     acc = pl.run_scoped(from_state, plgpu.ACC(block_shape, f32))
-                    acc = acc * lax.broadcast_in_dim(decay_factor(cum_i), block_shape, [0])
+                    acc = acc * decay_factor(cum_r)
 
-                    def column_block(jb, acc):
+                    def column_block(jb, acc, *, diagonal):
                         columns = pl.ds(jb * _ROWS, _ROWS)
                         cum_j = plgpu.load(cum_smem.at[slot, columns], layout=column_vector)
                         dt_j = plgpu.load(dt_smem.at[slot, columns], layout=column_vector)
-                        decay = decay_factor(
-                            lax.broadcast_in_dim(cum_i, block_shape, [0])
-                            - lax.broadcast_in_dim(cum_j, block_shape, [1])
-                        )
-                        cb = plgpu.load(cb_smem.at[cb_first + jb], layout=wgmma_layout)
-                        w = cb.astype(f32) * decay * lax.broadcast_in_dim(dt_j, block_shape, [1])
+                        cb = plgpu.load(cb_smem.at[cb_first + jb], layout=wgmma_layout).astype(f32)
+                        if diagonal:
+                            decay = decay_factor(
+                                lax.broadcast_in_dim(cum_i, block_shape, [0])
+                                - lax.broadcast_in_dim(cum_j, block_shape, [1])
+                            )
+                            w = cb * decay * lax.broadcast_in_dim(dt_j, block_shape, [1])
+                        else:
+                            weight_j = decay_factor(cum_r - cum_j) * dt_j
+                            w = cb * lax.broadcast_in_dim(weight_j, block_shape, [1])
 
                         def product(acc_ref):
                             plgpu.wgmma(acc_ref, w.astype(dtype), x_tile.at[columns])
 
                         return pl.run_state(product)(plgpu.ACC.init(acc))
 
-                    acc = lax.fori_loop(0, b + 1, column_block, acc)
+                    acc = lax.fori_loop(0, b, functools.partial(column_block, diagonal=False), acc)
+                    row_decay = decay_factor(cum_i - cum_r)
+                    acc = acc * lax.broadcast_in_dim(row_decay, block_shape, [0])
+                    acc = column_block(b, acc, diagonal=True)
                     if has_D:
                         x_i = plgpu.load(x_tile.at[pl.ds(b * _ROWS, _ROWS)], layout=wgmma_layout)
                         d = plgpu.load(d_smem.at[slot], layout=column_vector)
@@ -480,23 +496,6 @@ def state_scan_supports(*, heads_per_group: int, state_dim: int, intermediate: b
     )
 
 
-def chunk_decay_inputs(s: triton.ScanShapes, metadata, dt, A, dt_bias, *, dt_softplus, dt_limit):
-    """``(dt'[H, max_chunks, cs], cum[H, max_chunks, cs])`` in fp32, what the Triton state
-    scan writes: each chunk's rows gathered from ``dt[T, H]``, processed, 0 past its end,
-    and their cumulative ``dt' A`` within the chunk (constant past the end)."""
-    cu = metadata.cu_chunk_seqlens
-    rows = jnp.arange(s.chunk_size, dtype=jnp.int32)
-    index = jnp.clip(cu[:-1, None] + rows, 0, dt.shape[0] - 1)  # [max_chunks, cs]
-    live = rows < (cu[1:] - cu[:-1])[:, None]
-    # Gathered along the minor axis of dt transposed: [H, max_chunks, cs] directly.
-    dt_rows = dt.T.astype(jnp.float32)[:, index]
-    bias = None if dt_bias is None else dt_bias[:, None, None]
-    dt_rows = process_dt(dt_rows, bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    dt_chunks = jnp.where(live, dt_rows, 0.0)
-    cum = jnp.cumsum(dt_chunks * A.astype(jnp.float32)[:, None, None], axis=-1)
-    return dt_chunks, cum
-
-
 def _state_scan_kernel(
     order_ref,  # [B] int32: the sequences, longest first
     first_ref,  # [B] int32: each sequence's first chunk
@@ -513,7 +512,6 @@ def _state_scan_kernel(
     initial_ref = rest[0] if has_initial else None
     carried_ref, final_ref = rest[-2:]
     chunk_size = weight_ref.shape[2]
-    steps_per_chunk = chunk_size // _STEP_ROWS
     state_dim = B_ref.shape[2]
     state_tiles = state_dim // _COLUMNS
     dtype, f32 = x_ref.dtype, jnp.float32
@@ -529,21 +527,22 @@ def _state_scan_kernel(
         h0 = lax.axis_index("heads") * _CONSUMERS
         group = lax.div(h0, heads_per_group)
         wg = lax.axis_index("wg")
-        first, count = first_ref[b], count_ref[b]
-        num_steps = count * steps_per_chunk
+        first = first_ref[b]
+        num_steps, step_of = sequence_steps(
+            cu_ref, first, count_ref[b], steps_per_chunk=chunk_size // _STEP_ROWS
+        )
 
-        def step_rows(i):  # (chunk, first packed row, its rows in the chunk) of step i
-            c = first + lax.div(i, steps_per_chunk)
-            row0 = lax.rem(i, steps_per_chunk) * _STEP_ROWS
+        def step_rows(i):  # (chunk, its first row, first packed row, live rows) of step i
+            c, row0 = step_of(i)
             start = cu_ref[c]
-            return c, start + row0, jnp.clip(cu_ref[c + 1] - start - row0, 0, _STEP_ROWS)
+            return c, row0, start + row0, jnp.clip(cu_ref[c + 1] - start - row0, 0, _STEP_ROWS)
 
         @pl.when(wg == _CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def load(i, slot):
-                c, row, _ = step_rows(i)
+                c, row0, row, _ = step_rows(i)
                 rows = pl.ds(row, _STEP_ROWS)
                 for t in range(state_tiles):
                     columns = pl.ds(t * _COLUMNS, _COLUMNS)
@@ -552,7 +551,7 @@ def _state_scan_kernel(
                         b_flat.at[slot, t],
                         b_full.at[slot * state_tiles + t],
                     )
-                w_rows = pl.ds(lax.rem(i, steps_per_chunk) * _STEP_ROWS, _STEP_ROWS)
+                w_rows = pl.ds(row0, _STEP_ROWS)
                 for k in range(_CONSUMERS):
                     h = h0 + k
                     plgpu.copy_gmem_to_smem(
@@ -590,14 +589,14 @@ def _state_scan_kernel(
 
             def step(i, states):
                 slot = lax.rem(i, num_stages)
-                c, _, live = step_rows(i)
-                chunk_start = lax.rem(i, steps_per_chunk) == 0
+                c, row0, _, live = step_rows(i)
+                chunk_start = row0 == 0
 
                 @pl.when(chunk_start)
                 def _store_carried():
                     # The state entering chunk c, in the chunk scan's dtype; the two tiles
                     # alternate, rewritten once the store from two chunks ago read them.
-                    tile = stage.at[lax.rem(lax.div(i, steps_per_chunk), 2)]
+                    tile = stage.at[lax.rem(c - first, 2)]
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     for t in range(state_tiles):
                         tile.at[:, pl.ds(t * _COLUMNS, _COLUMNS)][...] = states[t].astype(dtype)
@@ -689,6 +688,42 @@ def _state_scan_kernel(
     )
 
 
+def sequence_steps(cu, first, count, *, steps_per_chunk: int):
+    """The state scan's 128-row steps over one sequence's chunks, none past a chunk's end:
+    ``(num_steps, step)``, ``step(i) -> (chunk, row)`` for ``i`` in ``[0, num_steps)``
+    (step ``i`` covers rows ``row + [0, 128)`` of the chunk). ``cu``: the chunk starts
+    (``cu_chunk_seqlens``, a ref or an array); ``first``/``count``: the sequence's first
+    chunk and its number of chunks (``triton.sequence_chunks``), int32 scalars.
+
+    Only a sequence's first and last chunks can be short (the others end at multiples of
+    the chunk size), so they take ``ceil(rows / 128)`` steps and every other chunk
+    ``steps_per_chunk``: a chunk of 128 rows or fewer is one step whatever its size."""
+
+    def steps_of(c):
+        return lax.div(cu[c + 1] - cu[c] + _STEP_ROWS - 1, _STEP_ROWS)
+
+    last = first + jnp.maximum(count, 1) - 1
+    head = steps_of(first)  # the first chunk's steps
+    middle = jnp.maximum(count - 2, 0) * steps_per_chunk
+    tail = jnp.where(count > 1, steps_of(last), 0)
+    num_steps = jnp.where(count > 0, head + middle + tail, 0)
+
+    def step(i):
+        j = i - head  # steps past the first chunk
+        in_middle = (j >= 0) & (j < middle)
+        chunk = jnp.where(
+            j < 0, first, jnp.where(in_middle, first + 1 + lax.div(j, steps_per_chunk), last)
+        )
+        row = jnp.where(
+            j < 0,
+            i,
+            jnp.where(in_middle, lax.rem(j, steps_per_chunk), j - middle),
+        )
+        return chunk, row * _STEP_ROWS
+
+    return num_steps, step
+
+
 def state_scan(
     s: triton.ScanShapes,
     metadata,
@@ -707,20 +742,25 @@ def state_scan(
     blocks=None,
     interpret=False,
 ):
-    """Stage 1 on the tensor cores, :func:`triton.state_scan`'s signature and results
-    (final states only, ``state_scan_supports``): dt' and cum in ``jnp``
-    (:func:`chunk_decay_inputs`), then one thread block per (two heads, sequence), longest
-    sequences first, walking the sequence's chunks in 128-row steps: per step a TMA ring
-    slot holds B (shared by the two heads) and each head's x; consumer k owns head
-    ``h0 + k``, keeps its state ``[P, N]`` in fp32 registers and adds ``(x ∘ w)ᵀ B``
-    with ``w = exp(cum_end − cum_j) dt'_j`` (one wgmma per 64 state columns)."""
-    del blocks, interpret, intermediate
-    dt_chunks, cum = chunk_decay_inputs(
-        s, metadata, dt, A, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit
+    """Stage 1 on the tensor cores, :func:`triton.state_scan`'s signature and results (final
+    states only, ``state_scan_supports``): dt', cum and the chunk decays from one Triton
+    launch (:func:`triton.chunk_decay`), then one thread block per (two heads, sequence),
+    longest sequences first, walking the sequence's chunks in 128-row steps
+    (:func:`sequence_steps`: none past a chunk's end): per step a TMA ring slot holds B
+    (shared by the two heads) and each head's x; consumer k owns head ``h0 + k``, keeps its
+    state ``[P, N]`` in fp32 registers and adds ``(x ∘ w)ᵀ B`` with ``w = exp(cum_end −
+    cum_j) dt'_j`` (one wgmma per 64 state columns)."""
+    del blocks, intermediate
+    dt_chunks, cum, weight, decay = triton.chunk_decay(
+        s,
+        metadata,
+        dt,
+        A,
+        dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        interpret=interpret,
     )
-    end = cum[..., -1:]
-    weight = decay_factor(end - cum) * dt_chunks
-    decay = decay_factor(end[..., 0])
     order, first, count = triton.sequence_chunks(s, metadata)
     initial = None if initial_states is None else initial_states.astype(jnp.float32)
     kernel = plgpu.kernel(

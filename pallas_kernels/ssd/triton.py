@@ -447,6 +447,89 @@ def sequence_chunks(s: ScanShapes, metadata: ChunkMetadata) -> tuple[jax.Array, 
     return order, first_chunk.astype(jnp.int32), num_seq_chunks
 
 
+def _chunk_decay_kernel(
+    cu_ref,  # [max_chunks + 1] int32
+    dt_ref,  # [T, H]
+    A_ref,  # [H] fp32
+    dt_bias_ref,  # [H] fp32 or None
+    dt_out_ref,  # [H, max_chunks, cs] fp32: dt' (0 past the chunk's end)
+    cum_ref,  # [H, max_chunks, cs] fp32: within-chunk cumulative dt' A
+    weight_ref,  # [H, max_chunks, cs] fp32: exp(cum_end - cum_j) dt'_j
+    decay_ref,  # [H, max_chunks] fp32: exp(cum_end)
+    *,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    block_h: int,
+):
+    c, h0 = pl.program_id(0), pl.program_id(1) * block_h
+    cs = cum_ref.shape[2]
+    start = cu_ref[c]
+    num_live = cu_ref[c + 1] - start
+    rows = jnp.arange(cs)
+    heads = pl.ds(h0, block_h)
+    head_live = h0 + jnp.arange(block_h) < dt_ref.shape[1]
+    live = rows < num_live
+
+    @pl.when(num_live > 0)  # padding chunks: nothing reads their rows
+    def _chunk():
+        mask = live[:, None] & head_live[None, :]
+        dt = plgpu.load(dt_ref.at[pl.ds(start, cs), heads], mask=mask, other=0.0)
+        bias = None
+        if dt_bias_ref is not None:
+            bias = plgpu.load(dt_bias_ref.at[heads], mask=head_live, other=0.0)[None, :]
+        dt = process_dt(dt.astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        dt = jnp.where(live[:, None], dt, 0.0)
+        A = plgpu.load(A_ref.at[heads], mask=head_live, other=0.0)
+        cum = jnp.cumsum(dt * A[None, :], axis=0)
+        # The chunk's total is cum at its last live row, copied to the rows after it (as
+        # the state scan does: a parallel scan may round cum[cs - 1] differently).
+        last_row = jnp.minimum(num_live, cs) - 1
+        end = jnp.sum(jnp.where(rows[:, None] == last_row, cum, 0.0), axis=0)
+        cum = jnp.where(live[:, None], cum, end[None, :])
+        weight = decay_factor(end[None, :] - cum) * dt
+        out = pl.ds(static_index(0), cs)
+        store_mask = head_live[:, None]
+        plgpu.store(dt_out_ref.at[heads, c, out], dt.T, mask=store_mask)
+        plgpu.store(cum_ref.at[heads, c, out], cum.T, mask=store_mask)
+        plgpu.store(weight_ref.at[heads, c, out], weight.T, mask=store_mask)
+        plgpu.store(decay_ref.at[heads, c], decay_factor(end), mask=head_live)
+
+
+def chunk_decay(
+    s: ScanShapes,
+    metadata: ChunkMetadata,
+    dt,
+    A,
+    dt_bias,
+    *,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    interpret: bool = False,
+):
+    """What the Mosaic state and chunk scans take of dt, in one launch (one program per
+    chunk and 16 heads; padding chunks exit at once and their rows stay unwritten):
+    ``(dt'[H, max_chunks, cs], cum[H, max_chunks, cs], weight[H, max_chunks, cs],
+    decay[H, max_chunks])``, fp32: dt' and the within-chunk cumulative decay as
+    :func:`state_scan` writes them, ``weight_j = exp(cum_end − cum_j) dt'_j`` and the
+    chunk's decay ``exp(cum_end)``. For power-of-two chunk sizes."""
+    f32 = jnp.float32
+    cs = s.chunk_size
+    if cs != block_dim(cs):
+        raise ValueError(f"chunk_size={cs} must be a power of two")
+    block_h = min(16, block_dim(s.heads))
+    chunked = jax.ShapeDtypeStruct((s.heads, s.max_chunks, cs), f32)
+    return pl.pallas_call(
+        functools.partial(
+            _chunk_decay_kernel, dt_softplus=dt_softplus, dt_limit=dt_limit, block_h=block_h
+        ),
+        grid=(s.max_chunks, pl.cdiv(s.heads, block_h)),
+        out_shape=(chunked, chunked, chunked, jax.ShapeDtypeStruct((s.heads, s.max_chunks), f32)),
+        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"ssd_chunk_decay_cs{cs}_bh{block_h}",
+    )(metadata.cu_chunk_seqlens, dt, A.astype(f32), dt_bias)
+
+
 def state_scan(
     s: ScanShapes,
     metadata: ChunkMetadata,

@@ -715,15 +715,18 @@ def test_mosaic_block_sizes_are_checked():
         ssd_mosaic.BlockSizes(heads_per_block=0)
 
 
-def test_mosaic_chunk_decay_inputs_are_the_triton_state_scans():
-    """The Mosaic state scan's dt' and within-chunk cumulative decay (``jnp``, gathered per
-    chunk) equal what the Triton state scan writes on every real chunk: chunks shortened
-    by alignment, a chunk past the sequence's end, bias, softplus and a clamp."""
-    p = make_problem([300, 5, 395], computed=[0, 10, 3], heads=4, chunk_size=128, extra_rows=9)
+def test_chunk_decay_is_the_triton_state_scans():
+    """The Mosaic state scan's inputs (``triton.chunk_decay``, interpret mode): dt' and the
+    within-chunk cumulative decay equal what the Triton state scan writes on every real
+    chunk (chunks shortened by alignment, a chunk past the sequence's end, bias, softplus
+    and a clamp; more heads than a program's 16), the weights and decays their formulas."""
+    p = make_problem([300, 5, 395], computed=[0, 10, 3], heads=20, chunk_size=128, extra_rows=9)
     md = p.metadata()
     shapes = ssd_triton.ScanShapes.of(p.x, p.B, md)
     options = dict(dt_softplus=True, dt_limit=(0.05, 2.0))
-    dt_chunks, cum = ssd_mosaic.chunk_decay_inputs(shapes, md, p.dt, p.A, p.dt_bias, **options)
+    dt_chunks, cum, weight, decay = ssd_triton.chunk_decay(
+        shapes, md, p.dt, p.A, p.dt_bias, **options, interpret=True
+    )
     expected_dt, expected_cum, _, _ = ssd_triton.state_scan(
         shapes,
         md,
@@ -743,3 +746,29 @@ def test_mosaic_chunk_decay_inputs_are_the_triton_state_scans():
     n = int(md.num_chunks)
     assert_close(dt_chunks[:, :n], expected_dt[:, :n], rtol=F32_TOL, name="dt'")
     assert_close(cum[:, :n], expected_cum[:, :n], rtol=F32_TOL, name="cum")
+    end = np.asarray(cum[:, :n, -1:], np.float64)
+    want_weight = np.exp(np.minimum(end - np.asarray(cum[:, :n]), 0)) * dt_chunks[:, :n]
+    assert_close(weight[:, :n], want_weight, rtol=F32_TOL, name="weight")
+    assert_close(decay[:, :n], np.exp(np.minimum(end[..., 0], 0)), rtol=F32_TOL, name="decay")
+
+
+def test_mosaic_state_scan_steps_cover_each_chunk_once():
+    """The Mosaic state scan's 128-row steps (chunk size 256): each sequence's steps walk
+    its chunks in order and cover every row of each once, a chunk of 128 rows or fewer in
+    one step (chunks shortened by alignment, at a sequence's start or end); a sequence
+    without chunks has none."""
+    lengths, computed = [300, 5, 395, 0, 128, 900, 1], [0, 10, 3, 0, 60, 130, 255]
+    p = make_problem(lengths, computed=computed, chunk_size=256)
+    md = p.metadata()
+    shapes = ssd_triton.ScanShapes.of(p.x, p.B, md)
+    _, first, count = ssd_triton.sequence_chunks(shapes, md)
+    cu = np.asarray(md.cu_chunk_seqlens)
+    for b in range(len(lengths)):
+        num_steps, step = ssd_mosaic.sequence_steps(
+            md.cu_chunk_seqlens, first[b], count[b], steps_per_chunk=2
+        )
+        walked = [tuple(int(v) for v in step(jnp.int32(i))) for i in range(int(num_steps))]
+        chunks = range(int(first[b]), int(first[b] + count[b]))
+        expected = [(c, row) for c in chunks for row in range(0, int(cu[c + 1] - cu[c]), 128)]
+        assert walked == expected, b
+    assert count[3] == 0
