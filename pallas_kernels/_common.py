@@ -32,6 +32,14 @@ def process_dt(
     return jnp.where(jnp.isnan(dt), dt, jnp.clip(dt, dt_limit[0], dt_limit[1]))
 
 
+def search_sorted(sorted_values: jax.Array, queries: jax.Array, *, side: str = "left") -> jax.Array:
+    """``jnp.searchsorted`` for a step's short sorted arrays (sequence or chunk
+    boundaries): every query compared with every value, one fused reduction. The default
+    binary search is a loop whose every iteration is its own small kernels, each launched
+    by the host, which a one-row step or a short kernel cannot hide."""
+    return jnp.searchsorted(sorted_values, queries, side=side, method="compare_all")
+
+
 def silu(v: jax.Array) -> jax.Array:
     """``v * sigmoid(v)``."""
     return v * jax.nn.sigmoid(v)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._common import search_sorted
 from pallas_kernels._validation import check_int
 
 
@@ -125,7 +126,7 @@ def chunk_metadata(
 
     chunk = jnp.arange(max_chunks, dtype=jnp.int32)
     # Sequence of chunk c: the first b whose chunk range ends after c.
-    seq = jnp.searchsorted(chunk_end, chunk, side="right").astype(jnp.int32)
+    seq = search_sorted(chunk_end, chunk, side="right").astype(jnp.int32)
     live = chunk < num_chunks
     seq_safe = jnp.minimum(seq, num_seqs - 1)
     block = first_block[seq_safe] + chunk - chunk_begin[seq_safe]
@@ -172,7 +173,7 @@ def sequence_block_table(
     blocks_per_seq = -(-lengths // block_size)
     ends = jnp.cumsum(blocks_per_seq)
     block = jnp.arange(num_blocks)
-    seq = jnp.minimum(jnp.searchsorted(ends, block, side="right"), num_seqs - 1)
+    seq = jnp.minimum(search_sorted(ends, block, side="right"), num_seqs - 1)
     live = block < ends[-1]
     row = query_start_loc[seq] + (block - (ends - blocks_per_seq)[seq]) * block_size
     return (

@@ -17,7 +17,7 @@ from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
 from flax_models.sharding import TP, mamba_cache_spec, psum_tp, shard_call, tp_size
-from pallas_kernels._common import silu
+from pallas_kernels._common import search_sorted, silu
 from pallas_kernels.ssd.api import gather_states, scatter_states
 
 
@@ -345,7 +345,7 @@ class Mamba2Mixer(nnx.Module):
         # Rows of padding sequences give 0, as the state_cache path does.
         rows = jnp.arange(y.shape[0])
         qsl = batch.prefill_query_start_loc
-        seq = jnp.minimum(jnp.searchsorted(qsl[1:], rows, side="right"), slot_ids.shape[0] - 1)
+        seq = jnp.minimum(search_sorted(qsl[1:], rows, side="right"), slot_ids.shape[0] - 1)
         live = (rows < qsl[-1]) & (slot_ids[seq] >= 0)
         y = jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype)).reshape(y.shape[0], -1)
         snapshot_conv, snapshot_ssm = self._prefill_snapshots(

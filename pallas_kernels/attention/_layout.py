@@ -21,7 +21,7 @@ from typing import Final
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import LOG2E
+from pallas_kernels._common import LOG2E, search_sorted
 from pallas_kernels.metadata import sequence_block_table
 
 # The mask reaches the kernels as data, a band of positions: a query at ``pos`` sees keys
@@ -48,7 +48,7 @@ def token_layout(
 ) -> TokenLayout:
     num_seqs = slot_ids.shape[0]
     token = jnp.arange(num_tokens)
-    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right"), num_seqs - 1)
+    seq = jnp.minimum(search_sorted(query_start_loc[1:], token, side="right"), num_seqs - 1)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     position = kv_lens[seq] - q_len + token - query_start_loc[seq]
     slot = slot_ids[seq]

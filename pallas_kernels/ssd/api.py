@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
-from pallas_kernels._common import slot_gather_index, slot_scatter_index
+from pallas_kernels._common import search_sorted, slot_gather_index, slot_scatter_index
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 from pallas_kernels.metadata import ChunkMetadata, max_chunks_for
 from pallas_kernels.ssd import mosaic, reference, triton
@@ -195,7 +195,7 @@ def _zero_padding_rows(y: jax.Array, metadata: ChunkMetadata, slot_ids: jax.Arra
     """``y[T, H, P]`` with the rows of padding sequences (checked slot -1) set to 0: a
     sequence without a slot is padding, whatever its length."""
     rows = jnp.arange(y.shape[0], dtype=jnp.int32)
-    chunk = jnp.searchsorted(metadata.cu_chunk_seqlens, rows, side="right").astype(jnp.int32) - 1
+    chunk = search_sorted(metadata.cu_chunk_seqlens, rows, side="right").astype(jnp.int32) - 1
     seq = metadata.seq_idx[jnp.clip(chunk, 0, metadata.max_chunks - 1)]
     live = (seq >= 0) & (slot_ids[jnp.maximum(seq, 0)] >= 0)
     return jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype))

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import decay_factor, process_dt, silu
+from pallas_kernels._common import decay_factor, process_dt, search_sorted, silu
 from pallas_kernels._pallas import (
     MIN_DOT_DIM,
     block_dim,
@@ -440,7 +440,7 @@ def sequence_chunks(s: ScanShapes, metadata: ChunkMetadata) -> tuple[jax.Array, 
     first chunk and its number of chunks (seq_idx is non-decreasing over the real
     chunks)."""
     seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
-    first_chunk = jnp.searchsorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
+    first_chunk = search_sorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
     last = metadata.last_chunk_indices
     num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
     order = jnp.argsort(-num_seq_chunks, stable=True).astype(jnp.int32)

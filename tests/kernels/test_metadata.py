@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -17,6 +18,7 @@ from pallas_kernels.metadata import (
     chunk_metadata,
     max_chunks_for,
     pad_to_bucket,
+    sequence_block_table,
     sequence_buckets,
     token_buckets,
 )
@@ -230,3 +232,31 @@ def test_metadata_argument_errors():
         chunk_metadata(jnp.array([0, 3]), jnp.array([0, 0]), chunk_size=4, max_chunks=2)
     with pytest.raises(ValueError, match="max_chunks"):
         chunk_metadata(jnp.array([0, 3]), jnp.array([0]), chunk_size=4, max_chunks=0)
+
+
+def test_step_layouts_lower_without_loops():
+    """A step's layouts (the chunk metadata, its sequences' chunks, the block and token
+    layouts, the forward batch) are straight-line programs: a binary search would be a
+    loop whose every iteration the host launches as its own kernels."""
+    from flax_models.batch import make_forward_batch
+    from pallas_kernels.attention._layout import token_layout
+    from pallas_kernels.ssd import triton as ssd_triton
+
+    qsl, computed = jnp.array([0, 5, 70, 103], jnp.int32), jnp.array([0, 3, 0], jnp.int32)
+    x, B = jnp.zeros((128, 2, 4)), jnp.zeros((128, 1, 8))
+
+    def layouts(qsl, computed):
+        md = chunk_metadata(qsl, computed, chunk_size=16, max_chunks=16)
+        shapes = ssd_triton.ScanShapes.of(x, B, md)
+        return (
+            md,
+            ssd_triton.sequence_chunks(shapes, md),
+            sequence_block_table(qsl, block_size=16, num_blocks=12),
+            dataclasses.astuple(
+                token_layout(128, qsl, computed + qsl[1:] - qsl[:-1], jnp.arange(3))
+            ),
+            make_forward_batch(qsl, computed, jnp.arange(3), num_tokens=128, chunk_size=16),
+        )
+
+    text = jax.jit(layouts).lower(qsl, computed).as_text()
+    assert "stablehlo.while" not in text
