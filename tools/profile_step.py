@@ -59,7 +59,7 @@ def trace_events(trace_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def host_thread_times(events: list[dict]) -> list[str]:
     """Per host thread: its busy span (the union of its top-level events) and the events
-    that took the most time on it, inclusive of what they call (µs over the whole trace)."""
+    that took the most time on it, inclusive of what they call (ms over the whole trace)."""
     lines = []
     for thread in sorted({(e["pid"], e["tid"]) for e in events}):
         track = [e for e in events if (e["pid"], e["tid"]) == thread]
