@@ -311,13 +311,9 @@ def cache_specs(
 
 def state_shardings(state, mesh: Mesh):
     """A ``NamedSharding`` per variable of an ``nnx.State`` (same tree)."""
+    tp = tp_size(mesh)
     flat = [
-        (
-            path,
-            var.replace(
-                NamedSharding(mesh, param_spec(tuple(map(str, path)), var.shape, tp_size(mesh)))
-            ),
-        )
+        (path, var.replace(NamedSharding(mesh, param_spec(tuple(map(str, path)), var.shape, tp))))
         for path, var in nnx.to_flat_state(state)
     ]
     return nnx.from_flat_state(flat)

@@ -33,7 +33,7 @@ def process_dt(
 
 
 def search_sorted(sorted_values: jax.Array, queries: jax.Array, *, side: str = "left") -> jax.Array:
-    """``jnp.searchsorted`` for a step's short sorted arrays (sequence or chunk
+    """``jnp.searchsorted`` for a step's short sorted arrays (sequence, chunk or tile
     boundaries): every query compared with every value, one fused reduction. The default
     binary search is a loop whose every iteration is its own small kernels, each launched
     by the host, which a one-row step or a short kernel cannot hide."""

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import search_sorted
 from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, compiler_params, dot, masked_load
 from pallas_kernels.backend import pallas_dtypes
 
@@ -161,7 +162,7 @@ def tile_schedule(
     tiles = (sizes + block_m - 1) // block_m
     tile_ends = jnp.cumsum(tiles, dtype=jnp.int32)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.searchsorted(tile_ends, t, side="right", method="compare_all").astype(jnp.int32)
+    group = search_sorted(tile_ends, t, side="right").astype(jnp.int32)
     live = group <= num_experts
     group = jnp.minimum(group, num_experts)
     row_start = starts[group] + (t - (tile_ends[group] - tiles[group])) * block_m
