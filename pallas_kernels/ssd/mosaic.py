@@ -11,7 +11,8 @@ the Triton state scan writes) and the decay weights come from one small Triton l
 of a group, sequence), longest sequences first, walks the sequence's chunks in 128-row steps
 (none past a chunk's end): a ring slot holds the step's B rows (read once for both heads)
 and each head's x rows; consumer k keeps head ``h0 + k``'s state ``s[P, N]`` in registers,
-stores it (in C's dtype) as the state entering each chunk, and per chunk computes ``s ←
+stores it (in C's dtype) as the state entering each chunk (but a sequence's first without
+initial states: that one is zero, and the chunk scan reads none), and per chunk computes ``s ←
 exp(cum_end) s + (x ∘ w)ᵀ B`` with ``w_j = exp(cum_end − cum_j) dt'_j`` (x weighted in
 shared memory, then one wgmma per 64 state columns). Final states only; intermediate states
 and N = 256 use the Triton state scan (:func:`state_scan_supports`).
@@ -172,9 +173,15 @@ def _cb_blocks(chunk_size: int) -> int:
 
 
 def _kernel(
-    *refs, has_D: bool, has_z: bool, heads_per_group: int, heads_per_block: int, num_stages: int
+    *refs,
+    has_D: bool,
+    has_z: bool,
+    first_states_zero: bool,
+    heads_per_group: int,
+    heads_per_block: int,
+    num_stages: int,
 ):
-    cu_ref, x_ref, C_ref, B_ref, dt_ref, cum_ref, carried_ref, *rest = refs
+    cu_ref, seq_ref, x_ref, C_ref, B_ref, dt_ref, cum_ref, carried_ref, *rest = refs
     D_ref = rest.pop(0) if has_D else None
     z_ref = rest.pop(0) if has_z else None
     (y_ref,) = rest
@@ -227,6 +234,17 @@ def _kernel(
         row_lo = half * _BLOCK_ROWS
         works = length > row_lo
         chunk_rows = pl.ds(start, chunk_size)
+        # A sequence's first chunk starts from a zero state when no initial states are
+        # given; the state scan then writes no carried state for it, and nothing reads one.
+        state_is_zero = None
+        if first_states_zero:
+            state_is_zero = (c == 0) | (seq_ref[c] != seq_ref[jnp.maximum(c - 1, 0)])
+
+        def unless_state_is_zero(fn):
+            if state_is_zero is None:
+                fn()
+            else:
+                pl.when(~state_is_zero)(fn)
 
         @pl.when((wg == _CONSUMERS) & works)
         def _producer():
@@ -246,7 +264,11 @@ def _kernel(
             def load(i, slot):
                 h = h0 + i
                 plgpu.copy_gmem_to_smem(x_ref.at[chunk_rows, h], x_flat.at[slot], x_full.at[slot])
-                plgpu.copy_gmem_to_smem(carried_ref.at[c, h], s_tiles.at[slot], s_full.at[slot])
+                unless_state_is_zero(
+                    lambda: plgpu.copy_gmem_to_smem(
+                        carried_ref.at[c, h], s_tiles.at[slot], s_full.at[slot]
+                    )
+                )
                 plgpu.copy_gmem_to_smem(dt_ref.at[h, c], dt_smem.at[slot], dt_full.at[slot])
                 plgpu.copy_gmem_to_smem(cum_ref.at[h, c], cum_smem.at[slot], cum_full.at[slot])
                 if has_D:
@@ -311,7 +333,7 @@ def _kernel(
                     plgpu.barrier_arrive(zeroed.at[slot])
                     plgpu.barrier_wait(zeroed.at[slot])
 
-                plgpu.barrier_wait(s_full.at[slot])
+                unless_state_is_zero(lambda: plgpu.barrier_wait(s_full.at[slot]))
                 plgpu.barrier_wait(dt_full.at[slot])
                 plgpu.barrier_wait(cum_full.at[slot])
                 if has_D:
@@ -350,8 +372,18 @@ def _kernel(
                     # the row factor scales the sum once (with the carried state's term,
                     # exp(cum_i) = exp(cum_i - cum_r) exp(cum_r)).
                     cum_r = cum_smem[slot, b * _ROWS]
-                    acc = pl.run_scoped(from_state, plgpu.ACC(block_shape, f32))
-                    acc = acc * decay_factor(cum_r)
+
+                    def state_term():
+                        acc = pl.run_scoped(from_state, plgpu.ACC(block_shape, f32))
+                        return acc * decay_factor(cum_r)
+
+                    def no_state():
+                        return plgpu.layout_cast(jnp.zeros(block_shape, f32), wgmma_layout)
+
+                    if state_is_zero is not None:
+                        acc = lax.cond(state_is_zero, no_state, state_term)
+                    else:
+                        acc = state_term()
 
                     def column_block(jb, acc, *, diagonal):
                         columns = pl.ds(jb * _ROWS, _ROWS)
@@ -507,6 +539,7 @@ def _state_scan_kernel(
     decay_ref,  # [H, max_chunks] fp32: exp(cum_end), the chunk's decay
     *rest,  # initial_ref [B, H, P, N] (if given), carried_ref, final_ref
     has_initial: bool,
+    skip_first_carried: bool,
     heads_per_group: int,
 ):
     initial_ref = rest[0] if has_initial else None
@@ -591,8 +624,11 @@ def _state_scan_kernel(
                 slot = lax.rem(i, num_stages)
                 c, row0, _, live = step_rows(i)
                 chunk_start = row0 == 0
+                # Without initial states a sequence's first chunk starts from zero: the
+                # chunk scan that reads the carried states knows, and none is stored.
+                store = chunk_start & (c != first) if skip_first_carried else chunk_start
 
-                @pl.when(chunk_start)
+                @pl.when(store)
                 def _store_carried():
                     # The state entering chunk c, in the chunk scan's dtype; the two tiles
                     # alternate, rewritten once the store from two chunks ago read them.
@@ -741,6 +777,7 @@ def state_scan(
     carried_dtype,
     blocks=None,
     interpret=False,
+    skip_first_carried: bool = False,
 ):
     """Stage 1 on the tensor cores, :func:`triton.state_scan`'s signature and results (final
     states only, ``state_scan_supports``): dt', cum and the chunk decays from one Triton
@@ -749,7 +786,9 @@ def state_scan(
     (:func:`sequence_steps`: none past a chunk's end): per step a TMA ring slot holds B
     (shared by the two heads) and each head's x; consumer k owns head ``h0 + k``, keeps its
     state ``[P, N]`` in fp32 registers and adds ``(x ∘ w)ᵀ B`` with ``w = exp(cum_end −
-    cum_j) dt'_j`` (one wgmma per 64 state columns)."""
+    cum_j) dt'_j`` (one wgmma per 64 state columns). ``skip_first_carried`` (no initial
+    states): no carried state is written for a sequence's first chunk, where a chunk scan
+    given ``first_states_zero`` reads none."""
     del blocks, intermediate
     dt_chunks, cum, weight, decay = triton.chunk_decay(
         s,
@@ -767,6 +806,7 @@ def state_scan(
         functools.partial(
             _state_scan_kernel,
             has_initial=initial is not None,
+            skip_first_carried=skip_first_carried and initial is None,
             heads_per_group=s.heads // s.groups,
         ),
         out_type=(
@@ -792,7 +832,7 @@ def state_scan(
 
 def chunk_scan(
     s: triton.ScanShapes,
-    cu: jax.Array,
+    metadata,
     x: jax.Array,
     C: jax.Array,
     B: jax.Array,
@@ -803,10 +843,13 @@ def chunk_scan(
     z: jax.Array | None,
     *,
     config: BlockSizes,
+    first_states_zero: bool = False,
 ) -> jax.Array:
     """Stage 3 on the tensor cores: ``y[T, H, P]`` in x's dtype from the state scan's
     ``dt_chunks``, ``cum[H, max_chunks, chunk_size]`` and ``carried[max_chunks, H, P, N]``
-    (in C's dtype); ``D[H, P]`` fp32 or None; bucket rows past the chunks zeroed."""
+    (in C's dtype); ``D[H, P]`` fp32 or None; bucket rows past the chunks zeroed.
+    ``first_states_zero``: no initial states, and the state scan wrote no carried state for
+    a sequence's first chunk (:func:`state_scan`); its chunk scan starts from zero."""
     heads_per_group = s.heads // s.groups
     heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
     check_block_sizes(
@@ -821,6 +864,7 @@ def chunk_scan(
             _kernel,
             has_D=D is not None,
             has_z=z is not None,
+            first_states_zero=first_states_zero,
             heads_per_group=heads_per_group,
             heads_per_block=heads_per_block,
             num_stages=config.num_stages,
@@ -837,14 +881,23 @@ def chunk_scan(
         ),
     )
     operands = [a for a in (D, z) if a is not None]
-    return kernel(cu, x, C, B, dt_chunks, cum, carried, *operands)
+    return kernel(
+        metadata.cu_chunk_seqlens, metadata.seq_idx, x, C, B, dt_chunks, cum, carried, *operands
+    )
 
 
 @functools.cache
-def _chunk_scan_with(config: BlockSizes):
-    """:func:`chunk_scan` with ``config``, one object per config: the Triton forward's
+def _state_scan_with(skip_first_carried: bool):
+    """:func:`state_scan` with ``skip_first_carried``, one object per value (as
+    :func:`_chunk_scan_with`)."""
+    return functools.partial(state_scan, skip_first_carried=skip_first_carried)
+
+
+@functools.cache
+def _chunk_scan_with(config: BlockSizes, first_states_zero: bool):
+    """:func:`chunk_scan` with these arguments, one object per value: the Triton forward's
     compiled-scan cache (``triton._differentiable``) is keyed by it."""
-    return functools.partial(chunk_scan, config=config)
+    return functools.partial(chunk_scan, config=config, first_states_zero=first_states_zero)
 
 
 def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
@@ -856,6 +909,8 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         state_dim=B.shape[2],
         intermediate=options["return_intermediate_states"],
     )
+    # The pair skips the zero carried states of sequences' first chunks.
+    first_states_zero = mosaic_states and options["initial_states"] is None
     return triton.ssd_scan(
         x,
         dt,
@@ -864,7 +919,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         C,
         chunk_size=chunk_size,
         config=triton.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
-        state_scan_fn=state_scan if mosaic_states else None,
-        chunk_scan_fn=_chunk_scan_with(config),
+        state_scan_fn=_state_scan_with(first_states_zero) if mosaic_states else None,
+        chunk_scan_fn=_chunk_scan_with(config, first_states_zero),
         **options,
     )

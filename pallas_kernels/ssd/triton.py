@@ -685,7 +685,7 @@ def _forward(
     backward, with the carried states in fp32 (the chunk scan casts them to C's dtype, so
     y is the same); else None and the carried states are in C's dtype, and the kernels
     given replace stages 1 (``state_scan_fn``, :func:`state_scan`'s signature) and
-    3a + 3b (``chunk_scan_fn(s, cu, x, C, B, dt_chunks, cum, carried, D, z)``): the
+    3a + 3b (``chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)``): the
     Mosaic GPU backend's (``mosaic.py``)."""
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
@@ -714,7 +714,7 @@ def _forward(
     )
     cu = metadata.cu_chunk_seqlens
     if chunk_scan_fn is not None and not residuals:
-        y = chunk_scan_fn(s, cu, x, C, B, dt_chunks, cum, carried, D, z)
+        y = chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
         return y, states, None
     cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
     y = chunk_scan(
