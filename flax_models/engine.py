@@ -7,15 +7,18 @@ bucketed batch. Caches are donated to the jitted step and updated in place. Requ
 as slots free up and leave when done (continuous batching); a prompt longer than the
 budget is spread over several steps (chunked prefill).
 
-Sampling runs on the device right after the step (``flax_models.serving.sampling``), with
-each row's temperature, top-k, top-p, seed and token counter as data, so a step is one
-program per bucket whatever the mix of sampling settings, and the sampler one of three per
-count of rows (greedy, drawing, drawing with top-k/top-p), picked on the host: after
-``warmup()`` every program a generation can need is compiled and ``compile_count`` stays
-put. Nothing in either waits on the host, so ``stream`` launches step n + 1 before it reads
-step n's tokens (``_schedule``). Each request draws with
-its own key, ``fold_in(key(seed), index of the token among its generated tokens)``, so its
-tokens never depend on what it is batched with.
+Sampling runs on the device (``flax_models.serving.sampling``): every step program also
+takes the argmax of its logits, which is all a greedy step needs, and a step where some row
+draws runs a sampler program after it, with each row's temperature, top-k, top-p, seed and
+token counter as data. So a step is one program per bucket whatever the mix of sampling
+settings, and the sampler one of two per count of rows (drawing, drawing with
+top-k/top-p), picked on the host: after ``warmup()`` every program a generation can need is
+compiled and ``compile_count`` stays put. (With dp slot groups the greedy tokens, too, come
+from a sampler program: recording them in the step would make it communicate across the
+groups.) Nothing in either waits on the host, so
+``stream`` launches step n + 1 before it reads step n's tokens (``_schedule``). Each
+request draws with its own key, ``fold_in(key(seed), index of the token among its
+generated tokens)``, so its tokens never depend on what it is batched with.
 
 Attention K/V live in a pool of pages (``kv_block_size`` tokens each) that per-slot block
 tables index; a sequence takes pages as it grows and gives them back when it ends
@@ -64,6 +67,7 @@ from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager, 
 from flax_models.serving.sampling import (
     SamplingParams,
     check_int,
+    greedy_tokens,
     request_keys,
     sample_tokens,
     sampler_flags,
@@ -144,6 +148,14 @@ class TokenEvent(NamedTuple):
     finish_reason: Literal["stop", "length"] | None
 
 
+def _with_samples(slot_tokens: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``slot_tokens[S]`` with each sequence row's token ``tokens[R]`` written to its slot
+    ``slot_ids[R]`` (a prompt not done yet leaves one nobody reads: its next row is a
+    prefill row again); padding rows (slot -1) write nothing."""
+    num_slots = slot_tokens.shape[0]
+    return slot_tokens.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(tokens, mode="drop")
+
+
 def _check_buckets(
     name: str, buckets: Sequence[int] | None, default: tuple[int, ...], *, covers: int, what: str
 ) -> tuple[int, ...]:
@@ -197,9 +209,9 @@ class Engine:
         Least recently used snapshots are overwritten first.
 
     Attributes:
-      compile_count: programs compiled for this engine's steps: one per bucket, and the
-        sampler's three (greedy, drawing, drawing with top-k/top-p) per count of sequence
-        rows.
+      compile_count: programs compiled for this engine's steps: one per bucket (its greedy
+        tokens included), and the sampler's two (drawing, drawing with top-k/top-p) per
+        count of sequence rows; three with dp slot groups (greedy as well).
       blocks: the ``BlockManager`` of the KV pages and the prefix cache; with dp slot
         groups a ``GroupedBlockManager`` (one ``BlockManager`` per group).
       stats: wall time and real tokens of the steps served, split into prefill (prompt
@@ -336,10 +348,15 @@ class Engine:
         )
         self.stats.update(prefix_hit_tokens=0, prefix_hits=0, prefix_misses=0)
         self.step_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
-        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1,))
-        # The sampler is a program of its own, picked on the host: whether a step's rows
-        # draw or restrict is host data, and deciding it on the device (a lax.cond) would
-        # make the host wait for every step before it could launch the next.
+        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1, 2))
+        # The step takes the argmax of its logits (a greedy step launches nothing else: a
+        # program launch and, under tp, a rendezvous of the devices' launch threads less),
+        # except with dp slot groups: the replicated slot_tokens would then need every
+        # group's tokens, and the step never communicates across groups. Drawing is a
+        # program of its own, picked on the host: whether a step's rows draw or restrict
+        # is host data, and deciding it on the device (a lax.cond) would make the host
+        # wait for every step before it could launch the next.
+        self._greedy_in_step = self.builder.groups == 1
         self._sampler = jax.jit(
             self._sample, static_argnames=("draws", "restricts"), donate_argnums=(1,)
         )
@@ -374,7 +391,9 @@ class Engine:
         *,
         num_decode,
     ):
-        """One step: ``(logits[R, V], caches)``. ``slot_tokens[S]``: each slot's last
+        """One step: ``(logits[R, V], caches, greedy[R], slot_tokens)``, ``greedy`` the
+        argmax of each row's logits and ``slot_tokens`` updated with it (with dp slot
+        groups None and ``slot_tokens`` as given). ``slot_tokens[S]``: each slot's last
         sampled token, read by decode rows whose token is ``FROM_DEVICE``.
         ``block_tables[S, max_blocks]``: every slot's pages; ``restore_ids[R - num_decode]``:
         the snapshot each prefill row's slot starts from (-1: none) and ``snapshots`` the
@@ -429,7 +448,11 @@ class Engine:
         starts = query_start_loc.reshape(groups, -1)
         offsets = group_tokens * jnp.arange(groups, dtype=starts.dtype)[:, None]
         last_rows = (jnp.maximum(starts[:, 1:] - 1, 0) + offsets).reshape(-1)
-        return model.forward(tokens, batch, caches, logits_rows=last_rows)
+        logits, caches = model.forward(tokens, batch, caches, logits_rows=last_rows)
+        if not self._greedy_in_step:
+            return logits, caches, None, slot_tokens
+        greedy = greedy_tokens(logits)
+        return logits, caches, greedy, _with_samples(slot_tokens, slot_ids, greedy)
 
     def _restore(self, caches, slot_ids, restore_ids, *, num_decode):
         """``caches`` with each prefill row's snapshot ``restore_ids[G · (R/G - num_decode)]``
@@ -475,13 +498,7 @@ class Engine:
         next_tokens = sample_tokens(
             logits, keys, temperature, top_k, top_p, draws=draws, restricts=restricts
         )
-        # Every sequence row's sample (a prompt not done yet leaves one nobody reads: its
-        # next row is a prefill row again); padding rows (slot -1) write nothing.
-        num_slots = slot_tokens.shape[0]
-        slot_tokens = slot_tokens.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(
-            next_tokens, mode="drop"
-        )
-        return next_tokens, slot_tokens
+        return next_tokens, _with_samples(slot_tokens, slot_ids, next_tokens)
 
     def _run(
         self,
@@ -511,7 +528,7 @@ class Engine:
                 snapshots = self._snapshot_plan(arrays, [], [])[0]
         draws, restricts = sampler_flags(sampling, self.cfg.vocab_size)
         try:
-            logits, self.caches = self._jitted(
+            logits, self.caches, tokens, self._slot_tokens = self._jitted(
                 self._param_leaves,
                 self.caches,
                 self._slot_tokens,
@@ -524,7 +541,8 @@ class Engine:
                 snapshots,
                 num_decode=arrays.num_decode,
             )
-            tokens = self._launch_sampler(logits, arrays.slot_ids, sampling, draws, restricts)
+            if draws or tokens is None:  # else the step's argmax is every row's token
+                tokens = self._launch_sampler(logits, arrays.slot_ids, sampling, draws, restricts)
         except BaseException:
             self._recover_caches()
             raise
@@ -694,12 +712,13 @@ class Engine:
         return logits
 
     def warmup(self) -> int:
-        """Compiles every program a generation can use: a step per bucket and the sampler's
-        three per count of rows (all-padding steps change no cache); returns the count."""
+        """Compiles every program a generation can use: a step per bucket (greedy tokens
+        included) and the sampler's two per count of rows, three with dp slot groups
+        (all-padding steps change no cache); returns the count."""
         warmed = set()
         for num_decode, token_bucket in self.builder.buckets():
             arrays = self.builder.dummy(num_decode, token_bucket)
-            logits, tokens = self._run(arrays)  # the greedy sampler
+            logits, tokens = self._run(arrays)
             rows = arrays.slot_ids.shape[0]
             if rows not in warmed:
                 warmed.add(rows)

@@ -164,6 +164,12 @@ def filter_logits(
     return jax.lax.cond(jnp.any(limit_k | limit_p), restrict, lambda s: s, scaled)
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """The argmax of each row of ``logits[R, V]``, ``int32[R]`` (the first on ties): what
+    ``sample_tokens`` gives every row at ``temperature <= 0``."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample_tokens(
     logits: jax.Array,
     key: jax.Array,
@@ -203,7 +209,7 @@ def sample_tokens(
     if key.ndim == 0:
         key = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (rows,))
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     sampled = temperature > 0
 
     def draw() -> jax.Array:

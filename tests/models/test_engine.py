@@ -52,11 +52,13 @@ def backend_compiles():
 
 
 def program_count(engine: Engine) -> int:
-    """A step program per bucket, and the sampler's three (greedy, drawing, drawing with
-    top-k/top-p) per count of sequence rows."""
+    """A step program per bucket (its greedy tokens included), and the sampler's two
+    (drawing, drawing with top-k/top-p) per count of sequence rows; with dp slot groups
+    three (greedy as well)."""
     builder = engine.builder
     row_counts = {d + (builder.prefill_seqs if t else 0) for d, t in builder.buckets()}
-    return len(builder.buckets()) + 3 * len(row_counts)
+    samplers = 2 if builder.groups == 1 else 3
+    return len(builder.buckets()) + samplers * len(row_counts)
 
 
 def random_prompts(rng, vocab: int, lengths) -> list[list[int]]:
@@ -225,6 +227,24 @@ def test_sampling_is_seeded_and_respects_top_k(small_engine):
     assert run(0) != run(1)
     greedy = small_engine.generate(prompts, 5)
     assert small_engine.generate(prompts, 5, temperature=0.7, top_k=1) == greedy
+
+
+def test_greedy_steps_launch_no_sampler(small_engine, monkeypatch):
+    """A greedy step's tokens are the argmax its step program takes: no sampler program
+    runs (a launch and, under tp, a rendezvous of the devices per step); a step where some
+    row draws runs one, over the same slots' tokens."""
+    launched = []
+    sampler = small_engine._sampler
+    monkeypatch.setattr(
+        small_engine, "_sampler", lambda *a, **k: launched.append(k) or sampler(*a, **k)
+    )
+    prompts = random_prompts(np.random.default_rng(8), model().cfg.vocab_size, (6, 3))
+    greedy = small_engine.generate(prompts, 4)
+    assert launched == []
+    mixed = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=1.0)]
+    outputs = small_engine.generate(prompts, sampling=mixed)
+    assert launched and all(k["draws"] for k in launched)
+    assert outputs[0] == greedy[0]  # the greedy row of a drawing step keeps its argmax
 
 
 def test_sample_tokens_takes_temperature_and_top_k_per_row_as_data():
