@@ -13,9 +13,7 @@ draws runs a sampler program after it, with each row's temperature, top-k, top-p
 token counter as data. So a step is one program per bucket whatever the mix of sampling
 settings, and the sampler one of two per count of rows (drawing, drawing with
 top-k/top-p), picked on the host: after ``warmup()`` every program a generation can need is
-compiled and ``compile_count`` stays put. (With dp slot groups the greedy tokens, too, come
-from a sampler program: recording them in the step would make it communicate across the
-groups.) Nothing in either waits on the host, so
+compiled and ``compile_count`` stays put. Nothing in either waits on the host, so
 ``stream`` launches step n + 1 before it reads step n's tokens (``_schedule``). Each
 request draws with its own key, ``fold_in(key(seed), index of the token among its
 generated tokens)``, so its tokens never depend on what it is batched with.
@@ -149,11 +147,17 @@ class TokenEvent(NamedTuple):
 
 
 def _with_samples(slot_tokens: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``slot_tokens[S]`` with each sequence row's token ``tokens[R]`` written to its slot
-    ``slot_ids[R]`` (a prompt not done yet leaves one nobody reads: its next row is a
-    prefill row again); padding rows (slot -1) write nothing."""
-    num_slots = slot_tokens.shape[0]
-    return slot_tokens.at[jnp.where(slot_ids >= 0, slot_ids, num_slots)].set(tokens, mode="drop")
+    """``slot_tokens[G, S/G]`` (each slot group's slots) with each sequence row's token
+    ``tokens[R]`` written to its slot ``slot_ids[R]`` (global ids; the rows are the groups'
+    one after another, group g's slots ``g S/G + j``). A prompt not done yet leaves one
+    nobody reads (its next row is a prefill row again); padding rows (slot -1) write
+    nothing. Each group writes its own row of ``slot_tokens``: split over dp, no device
+    reads another group's tokens."""
+    groups, per_group = slot_tokens.shape
+    ids = slot_ids.reshape(groups, -1)
+    local = jnp.where(ids >= 0, ids % per_group, per_group)
+    write = jax.vmap(lambda row, slots, values: row.at[slots].set(values, mode="drop"))
+    return write(slot_tokens, local, tokens.reshape(groups, -1))
 
 
 def _check_buckets(
@@ -211,7 +215,7 @@ class Engine:
     Attributes:
       compile_count: programs compiled for this engine's steps: one per bucket (its greedy
         tokens included), and the sampler's two (drawing, drawing with top-k/top-p) per
-        count of sequence rows; three with dp slot groups (greedy as well).
+        count of sequence rows.
       blocks: the ``BlockManager`` of the KV pages and the prefix cache; with dp slot
         groups a ``GroupedBlockManager`` (one ``BlockManager`` per group).
       stats: wall time and real tokens of the steps served, split into prefill (prompt
@@ -339,7 +343,7 @@ class Engine:
         # The token each slot sampled last, on the device: a decode row whose token is
         # ``FROM_DEVICE`` is fed from it, so a step can be launched before the host has read
         # the one before (``stream``).
-        self._slot_tokens = self._device_array(np.zeros(max_slots, np.int32))
+        self._slot_tokens = self._zero_slot_tokens()
         self._clock = 0.0  # when the host last saw a step of ``stream`` finish
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.compile_count = 0
@@ -350,13 +354,10 @@ class Engine:
         self.step_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
         self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1, 2))
         # The step takes the argmax of its logits (a greedy step launches nothing else: a
-        # program launch and, under tp, a rendezvous of the devices' launch threads less),
-        # except with dp slot groups: the replicated slot_tokens would then need every
-        # group's tokens, and the step never communicates across groups. Drawing is a
-        # program of its own, picked on the host: whether a step's rows draw or restrict
-        # is host data, and deciding it on the device (a lax.cond) would make the host
-        # wait for every step before it could launch the next.
-        self._greedy_in_step = self.builder.groups == 1
+        # program launch and, under tp, a rendezvous of the devices' launch threads less).
+        # Drawing is a program of its own, picked on the host: whether a step's rows draw
+        # or restrict is host data, and deciding it on the device (a lax.cond) would make
+        # the host wait for every step before it could launch the next.
         self._sampler = jax.jit(
             self._sample, static_argnames=("draws", "restricts"), donate_argnums=(1,)
         )
@@ -392,9 +393,9 @@ class Engine:
         num_decode,
     ):
         """One step: ``(logits[R, V], caches, greedy[R], slot_tokens)``, ``greedy`` the
-        argmax of each row's logits and ``slot_tokens`` updated with it (with dp slot
-        groups None and ``slot_tokens`` as given). ``slot_tokens[S]``: each slot's last
-        sampled token, read by decode rows whose token is ``FROM_DEVICE``.
+        argmax of each row's logits and ``slot_tokens`` updated with it.
+        ``slot_tokens[G, S/G]``: each slot's last sampled token, read by decode rows whose
+        token is ``FROM_DEVICE``.
         ``block_tables[S, max_blocks]``: every slot's pages; ``restore_ids[R - num_decode]``:
         the snapshot each prefill row's slot starts from (-1: none) and ``snapshots`` the
         states this step saves, both None without prefix caching.
@@ -407,11 +408,13 @@ class Engine:
         ``slot_tokens`` keep global rows and slots."""
         self.compile_count += 1  # runs once per trace, i.e. per compiled program
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
-        groups, num_slots = self.builder.groups, slot_tokens.shape[0]
+        groups, per_group = slot_tokens.shape
         group_tokens = tokens.shape[0] // groups
         tokens = tokens.reshape(groups, group_tokens)  # each group's decode rows lead
         decode_tokens = tokens[:, :num_decode]
-        fed = slot_tokens[jnp.clip(slot_ids.reshape(groups, -1)[:, :num_decode], 0, num_slots - 1)]
+        # Each group's rows read its own slots (padding rows an arbitrary one, unused).
+        fed_slots = slot_ids.reshape(groups, -1)[:, :num_decode] % per_group
+        fed = jnp.take_along_axis(slot_tokens, fed_slots, axis=1)
         tokens = tokens.at[:, :num_decode].set(
             jnp.where(decode_tokens == FROM_DEVICE, fed, decode_tokens)
         )
@@ -449,8 +452,6 @@ class Engine:
         offsets = group_tokens * jnp.arange(groups, dtype=starts.dtype)[:, None]
         last_rows = (jnp.maximum(starts[:, 1:] - 1, 0) + offsets).reshape(-1)
         logits, caches = model.forward(tokens, batch, caches, logits_rows=last_rows)
-        if not self._greedy_in_step:
-            return logits, caches, None, slot_tokens
         greedy = greedy_tokens(logits)
         return logits, caches, greedy, _with_samples(slot_tokens, slot_ids, greedy)
 
@@ -541,7 +542,7 @@ class Engine:
                 snapshots,
                 num_decode=arrays.num_decode,
             )
-            if draws or tokens is None:  # else the step's argmax is every row's token
+            if draws:  # else the step's argmax is every row's token
                 tokens = self._launch_sampler(logits, arrays.slot_ids, sampling, draws, restricts)
         except BaseException:
             self._recover_caches()
@@ -570,6 +571,16 @@ class Engine:
             restricts=restricts,
         )
         return tokens
+
+    def _zero_slot_tokens(self) -> jax.Array:
+        """Each slot's last sampled token, zeros: ``[G, S/G]`` int32, each slot group's
+        row on the group's devices (split over dp)."""
+        groups = self.builder.groups
+        zeros = np.zeros((groups, self.builder.slots_per_group), np.int32)
+        if groups == 1:
+            return self._device_array(zeros)
+        split = jax.sharding.NamedSharding(self._mesh, P(DP))
+        return jax.make_array_from_callback(zeros.shape, split, lambda index: zeros[index])
 
     def _device_array(self, array: np.ndarray) -> jax.Array:
         """``array`` on the device, replicated over the model's mesh when it has one."""
@@ -671,7 +682,7 @@ class Engine:
             self.caches = self._init_cache()
             self.blocks.reset()
         if self._slot_tokens.is_deleted():
-            self._slot_tokens = self._device_array(np.zeros(self.builder.num_slots, np.int32))
+            self._slot_tokens = self._zero_slot_tokens()
 
     def _count(
         self,
@@ -713,8 +724,8 @@ class Engine:
 
     def warmup(self) -> int:
         """Compiles every program a generation can use: a step per bucket (greedy tokens
-        included) and the sampler's two per count of rows, three with dp slot groups
-        (all-padding steps change no cache); returns the count."""
+        included) and the sampler's two per count of rows (all-padding steps change no
+        cache); returns the count."""
         warmed = set()
         for num_decode, token_bucket in self.builder.buckets():
             arrays = self.builder.dummy(num_decode, token_bucket)

@@ -53,12 +53,10 @@ def backend_compiles():
 
 def program_count(engine: Engine) -> int:
     """A step program per bucket (its greedy tokens included), and the sampler's two
-    (drawing, drawing with top-k/top-p) per count of sequence rows; with dp slot groups
-    three (greedy as well)."""
+    (drawing, drawing with top-k/top-p) per count of sequence rows."""
     builder = engine.builder
     row_counts = {d + (builder.prefill_seqs if t else 0) for d, t in builder.buckets()}
-    samplers = 2 if builder.groups == 1 else 3
-    return len(builder.buckets()) + samplers * len(row_counts)
+    return len(builder.buckets()) + 2 * len(row_counts)
 
 
 def random_prompts(rng, vocab: int, lengths) -> list[list[int]]:
