@@ -240,9 +240,10 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
     devices (replicated when no rule).
 
     The untied head ``lm_head`` splits its vocabulary (the logits come out split over tp,
-    and the sampler reduces over them where it runs): at one row it is the largest single
-    read of a decode step. A vocabulary tp does not divide keeps it whole, as does a head
-    tied to the embedding table (the lookup would need the table whole)."""
+    and the step's greedy argmax and the sampler reduce over them where they lie): at one
+    row it is the largest single read of a decode step. A vocabulary tp does not divide
+    keeps it whole, as does a head tied to the embedding table (the lookup would need the
+    table whole)."""
     name = path[-1]
     owner = path[-2] if len(path) > 1 else ""
     if owner in _COLUMN:
