@@ -404,8 +404,8 @@ class Engine:
         (``BatchBuilder``; ``restore_ids[G · (R/G - num_decode)]``, the snapshot columns G
         times as long), with global slot ids and group-local pages and snapshot entries:
         the batch is grouped here (``make_grouped_forward_batch``), each group's slots made
-        local to its share of the caches, while the logits rows, the sampler and
-        ``slot_tokens`` keep global rows and slots."""
+        local to its share of the caches, while the logits rows and the sampler keep global
+        rows and slots (``slot_tokens`` has a row per group: ``_with_samples``)."""
         self.compile_count += 1  # runs once per trace, i.e. per compiled program
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._param_tree, param_leaves))
         groups, per_group = slot_tokens.shape
