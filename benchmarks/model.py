@@ -11,7 +11,13 @@ one run on the same weights: prefill tokens/s on 8 × 4096 and on a ragged batch
 step time at 1, 64 and 256 rows with 4k tokens of context, and peak device memory. Steps
 are launched back to back, the host not waiting for one before launching the next, as
 ``Engine.stream`` runs them (it reads step n's tokens after launching step n + 1): a
-decode row's time is the time per output token of a long generation.
+decode row's time is the time per output token of a long generation. A timing sample
+chains decode steps for at least ``DECODE_SAMPLE_MS``, so the host's launch of a sample's
+first step (the fill of the pipeline, which a generation pays once) is shared by ten
+steps or more (14 at 256 rows of Bamba-9B). ``decode-1x…-stream`` checks that figure end
+to end: one request of that context streamed through ``Engine.stream`` (its prompt
+prefilled, then greedy tokens), the median interval between its tokens as the host
+receives them.
 ``--quick`` runs a tiny dense and a tiny MoE model.
 
 ``--mesh tp=1 tp=2`` runs every model once per mesh (the first N devices, one axis
@@ -42,6 +48,7 @@ import functools
 import gc
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -55,6 +62,7 @@ from flax_models.config import HybridConfig
 from flax_models.engine import Engine
 from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM
+from flax_models.serving.sampling import SamplingParams
 
 
 def _with_implementation(
@@ -85,6 +93,12 @@ MODELS = {
 # Decode rows per model where not (1, 64, 256): the engine holds a state per row, and the
 # 56B model's 256 rows of 4k context would not fit beside its weights on two GPUs.
 DECODE_ROWS = {"nemotron-h-56b": (1, 64)}
+# Decode steps chained per timing sample (at least this long). Launching a Bamba-9B step
+# costs the host ~1.5 ms, paid once before a sample's first step; 25 ms samples held 1-3
+# decode steps and charged it to every 1-3 tokens, which a long generation does not.
+DECODE_SAMPLE_MS = 400.0
+# Greedy tokens streamed for the ``-stream`` row (the first, after the prefill, uncounted).
+STREAM_TOKENS = 64
 # Routed-expert weights in the parameter tree (layers/moe.py): [E, K, N] each.
 _EXPERT_PARAMS = ("experts_up", "experts_down")
 
@@ -288,9 +302,13 @@ def bench_model(
                 if case_kind != kind or not harness.selected(problem, args.only):
                     continue
                 arrays = engine.builder.build(decode, prefill)
+                sample_ms = DECODE_SAMPLE_MS if case_kind == "decode" and not args.quick else 25.0
                 try:
                     timing = harness.time_fn(
-                        lambda a=arrays, e=engine: e.step(a, wait=False), warmup=2, samples=5
+                        lambda a=arrays, e=engine: e.step(a, wait=False),
+                        warmup=2,
+                        samples=5,
+                        min_sample_ms=sample_ms,
                     )
                 except jax.errors.JaxRuntimeError as error:  # e.g. out of device memory
                     reason = harness.failure_reason(error)
@@ -319,7 +337,65 @@ def bench_model(
                 print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
             engine = None  # free this engine's caches before the next one's
             gc.collect()
+        problem = f"{label}/decode-1x{context}-stream"
+        if 1 in decode_rows and harness.selected(problem, args.only):
+            decode = [Request(0, [int(rng.integers(cfg.vocab_size))], context)]
+            try:
+                timing, arrays = _stream_timing(model, decode, context, rng)
+            except jax.errors.JaxRuntimeError as error:
+                print(f"note: {problem}: no {impl} row ({harness.failure_reason(error)})")
+                continue
+            case = f"decode-1x{context}"  # the same step: its experts and roofline
+            flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
+            rows.append(
+                harness.row(
+                    problem,
+                    impl,
+                    timing,
+                    flops=flops,
+                    bytes_moved=bytes_moved,
+                    op="model",
+                    ceilings=ceilings,
+                    model=name,
+                    tp=tp,
+                    processes=jax.process_count(),
+                    experts_touched=touched.get(case),
+                    tokens=1,
+                    tokens_per_s=1 / (timing.median_ms * 1e-3),
+                    peak_bytes=harness.peak_bytes(),
+                )
+            )
+            print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
+            gc.collect()
     return rows
+
+
+def _stream_timing(
+    model: HybridLM, decode: list[Request], context: int, rng: np.random.Generator
+) -> tuple[harness.Timing, object]:
+    """Time per output token of one request through ``Engine.stream``: a prompt of
+    ``context`` tokens (one prefill step), then ``STREAM_TOKENS`` greedy tokens; the
+    intervals between the tokens as the host receives them, from the second on (the
+    first waits for the prefill). Also the step arrays of the ``decode`` rows (one, with
+    ``context`` tokens cached) on this engine, for the row's roofline."""
+    engine = Engine(
+        model,
+        max_slots=1,
+        max_len=context + STREAM_TOKENS,
+        token_budget=context,
+        decode_buckets=(1,),
+        token_buckets=(16, context),
+    )
+    prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, context)]
+    greedy = SamplingParams(max_new_tokens=STREAM_TOKENS)
+    for _ in engine.stream([prompt], greedy):  # compiles the prefill and decode steps
+        pass
+    arrivals = [time.perf_counter() for _ in engine.stream([prompt], greedy)]
+    intervals = np.diff(arrivals[1:]) * 1e3
+    timing = harness.Timing(
+        float(np.median(intervals)), float(intervals.min()), float(intervals.max())
+    )
+    return timing, engine.builder.build(decode, [])
 
 
 def _take_option(argv: list[str], name: str) -> tuple[list[str] | None, list[str]]:

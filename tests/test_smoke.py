@@ -72,6 +72,9 @@ def test_model_benchmark_quick(tmp_path):
     assert {r["implementation"] for r in rows} == {"xla", "auto"}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["speedup_vs_xla"] > 0
+    # Each model and implementation streams one request end to end (Engine.stream).
+    streamed = {(r["model"], r["implementation"]) for r in rows if r["problem"].endswith("-stream")}
+    assert streamed == {(m, i) for m in ("tiny", "tiny-moe") for i in ("auto", "xla")}
 
 
 def test_serving_benchmark_quick(tmp_path):
