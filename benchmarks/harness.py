@@ -288,7 +288,17 @@ def report(
             f"{100 * r['roofline_fraction']:>7.1f}%"
             f"{'' if speedup is None else f'{speedup:.2f}x':>8}"
         )
+    write_report(title, rows, ceilings, out)
+
+
+def write_report(
+    title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings, out: str | Path | None
+) -> None:
+    """Writes :func:`report`'s JSON without printing (first process only; nothing when
+    ``out`` is None): a long benchmark rewrites it after every row, so that a run stopped
+    by a time limit keeps what it measured."""
     if out is not None and jax.process_index() == 0:
+        device = jax.devices()[0]
         payload = dict(
             title=title,
             device=device.device_kind,

@@ -49,7 +49,7 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -206,12 +206,13 @@ def bench_model(
     args,
     ceilings: harness.Ceilings,
     *,
+    record: Callable[[dict], None],
     tp: int = 1,
     implementations: Sequence[str] = ("auto", "xla"),
     decode_rows: Sequence[int] = (1, 64, 256),
-) -> list[dict]:
+) -> None:
     """Every case of one model, for each implementation in turn (``auto`` first), on the
-    same weights, tensor-parallel over ``tp`` devices."""
+    same weights, tensor-parallel over ``tp`` devices; ``record(row)`` as each is timed."""
     rng = np.random.default_rng(0)
     mesh = _mesh(tp)
     label = name if mesh is None else f"{name}@tp{tp}"
@@ -290,7 +291,6 @@ def bench_model(
             if kind == "prefill":
                 routed = sum(len(r.tokens) for r in prefill) * cfg.num_experts_per_tok
                 touched[case] = 1.0 - (1.0 - 1.0 / cfg.num_experts) ** routed
-    rows: list[dict] = []
     # auto first: a baseline that cannot run (e.g. xla's ragged_dot out of memory on a MoE
     # prefill) must not leave the device fragmented for the rows that matter.
     for impl in implementations:
@@ -316,7 +316,7 @@ def bench_model(
                     continue
                 tokens = arrays.num_tokens
                 flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
-                rows.append(
+                record(
                     harness.row(
                         problem,
                         impl,
@@ -347,7 +347,7 @@ def bench_model(
                 continue
             case = f"decode-1x{context}"  # the same step: its experts and roofline
             flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
-            rows.append(
+            record(
                 harness.row(
                     problem,
                     impl,
@@ -367,7 +367,6 @@ def bench_model(
             )
             print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
             gc.collect()
-    return rows
 
 
 def _stream_timing(
@@ -456,24 +455,29 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         models = {name: MODELS[name]() for name in names}
         dtype = jnp.bfloat16
     rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        harness.add_speedups(rows)
+        _add_tp_speedups(rows)
+        # After every row: a run stopped by a time limit keeps what it measured.
+        harness.write_report("hybrid model serving", rows, ceilings, args.out)
+
     for name, cfg in models.items():
         for tp in tps:
-            rows += bench_model(
+            bench_model(
                 name,
                 cfg,
                 dtype,
                 args,
                 ceilings,
+                record=record,
                 tp=tp,
                 implementations=implementations,
                 decode_rows=DECODE_ROWS.get(name, (1, 64, 256)),
             )
             jax.clear_caches()  # the next model's weights need the memory
             gc.collect()
-            harness.add_speedups(rows)
-            _add_tp_speedups(rows)
-            if args.out is not None:  # after each model: a later one may not finish
-                harness.report("hybrid model serving", rows, ceilings, args.out)
     print(f"\n## hybrid models ({dtype.__name__})")
     print(
         f"{'case':<48}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'% roof':>8}"

@@ -77,6 +77,26 @@ def test_model_benchmark_quick(tmp_path):
     assert streamed == {(m, i) for m in ("tiny", "tiny-moe") for i in ("auto", "xla")}
 
 
+def test_model_benchmark_keeps_rows_of_a_stopped_run(tmp_path, monkeypatch):
+    """The JSON is rewritten after every row: a run stopped part-way (a time limit) keeps
+    the rows it timed, speed-ups included."""
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stopped
+
+    monkeypatch.setattr(model_benchmark, "_stream_timing", stop)  # the model's last row
+    out = tmp_path / "model.json"
+    with pytest.raises(Stopped):
+        model_benchmark.main(["--quick", "--implementations", "auto", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["problem"] for r in rows] == [
+        f"tiny/{case}" for case in ("prefill-2x32", "prefill-ragged", "decode-1x48", "decode-4x48")
+    ]
+
+
 def test_serving_benchmark_quick(tmp_path):
     """The offline trace runs twice (the second compiles nothing), its schedule is the one
     the host-side analysis predicted, and the JSON holds every request's times."""
