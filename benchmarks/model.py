@@ -291,6 +291,31 @@ def bench_model(
             if kind == "prefill":
                 routed = sum(len(r.tokens) for r in prefill) * cfg.num_experts_per_tok
                 touched[case] = 1.0 - (1.0 - 1.0 / cfg.num_experts) ** routed
+
+    def timed(problem: str, impl: str, case: str, arrays, timing: harness.Timing) -> None:
+        """Records the row of a step (``arrays``, the case's roofline) timed at ``timing``."""
+        flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
+        tokens = arrays.num_tokens
+        record(
+            harness.row(
+                problem,
+                impl,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                op="model",
+                ceilings=ceilings,
+                model=name,
+                tp=tp,
+                processes=jax.process_count(),
+                experts_touched=touched.get(case),
+                tokens=tokens,
+                tokens_per_s=tokens / (timing.median_ms * 1e-3),
+                peak_bytes=harness.peak_bytes(),
+            )
+        )
+        print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
+
     # auto first: a baseline that cannot run (e.g. xla's ragged_dot out of memory on a MoE
     # prefill) must not leave the device fragmented for the rows that matter.
     for impl in implementations:
@@ -314,27 +339,7 @@ def bench_model(
                     reason = harness.failure_reason(error)
                     print(f"note: {problem}: no {impl} row ({reason})", flush=True)
                     continue
-                tokens = arrays.num_tokens
-                flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
-                record(
-                    harness.row(
-                        problem,
-                        impl,
-                        timing,
-                        flops=flops,
-                        bytes_moved=bytes_moved,
-                        op="model",
-                        ceilings=ceilings,
-                        model=name,
-                        tp=tp,
-                        processes=jax.process_count(),
-                        experts_touched=touched.get(case),
-                        tokens=tokens,
-                        tokens_per_s=tokens / (timing.median_ms * 1e-3),
-                        peak_bytes=harness.peak_bytes(),
-                    )
-                )
-                print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
+                timed(problem, impl, case, arrays, timing)
             engine = None  # free this engine's caches before the next one's
             gc.collect()
         problem = f"{label}/decode-1x{context}-stream"
@@ -345,27 +350,8 @@ def bench_model(
             except jax.errors.JaxRuntimeError as error:
                 print(f"note: {problem}: no {impl} row ({harness.failure_reason(error)})")
                 continue
-            case = f"decode-1x{context}"  # the same step: its experts and roofline
-            flops, bytes_moved = _cost(cfg, base, arrays, context, touched.get(case, 0.0))
-            record(
-                harness.row(
-                    problem,
-                    impl,
-                    timing,
-                    flops=flops,
-                    bytes_moved=bytes_moved,
-                    op="model",
-                    ceilings=ceilings,
-                    model=name,
-                    tp=tp,
-                    processes=jax.process_count(),
-                    experts_touched=touched.get(case),
-                    tokens=1,
-                    tokens_per_s=1 / (timing.median_ms * 1e-3),
-                    peak_bytes=harness.peak_bytes(),
-                )
-            )
-            print(f"{problem} {impl}: {timing.median_ms:.3f} ms", flush=True)
+            # The same step as decode-1x…: its experts and roofline.
+            timed(problem, impl, f"decode-1x{context}", arrays, timing)
             gc.collect()
 
 
