@@ -79,7 +79,7 @@ def test_model_benchmark_quick(tmp_path):
 
 def test_model_benchmark_keeps_rows_of_a_stopped_run(tmp_path, monkeypatch):
     """The JSON is rewritten after every row: a run stopped part-way (a time limit) keeps
-    the rows it timed, speed-ups included."""
+    the rows it timed."""
 
     class Stopped(Exception):
         pass
