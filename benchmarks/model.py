@@ -342,16 +342,16 @@ def bench_model(
                 timed(problem, impl, case, arrays, timing)
             engine = None  # free this engine's caches before the next one's
             gc.collect()
-        problem = f"{label}/decode-1x{context}-stream"
-        if 1 in decode_rows and harness.selected(problem, args.only):
-            decode = [Request(0, [int(rng.integers(cfg.vocab_size))], context)]
+        case = f"decode-1x{context}"
+        problem = f"{label}/{case}-stream"
+        if case in cases and harness.selected(problem, args.only):
+            _, decode, _ = cases[case]  # the same one-row step: its experts and roofline
             try:
                 timing, arrays = _stream_timing(model, decode, context, rng)
             except jax.errors.JaxRuntimeError as error:
                 print(f"note: {problem}: no {impl} row ({harness.failure_reason(error)})")
                 continue
-            # The same step as decode-1x…: its experts and roofline.
-            timed(problem, impl, f"decode-1x{context}", arrays, timing)
+            timed(problem, impl, case, arrays, timing)
             gc.collect()
 
 
