@@ -10,6 +10,7 @@ from pallas_kernels.attention import kv_lens_from_mask, masked_tail_attention, w
 from pallas_kernels.backend import Implementation, backend_for
 from pallas_kernels.conv1d import causal_conv1d, causal_conv1d_update
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.mamba_decode import mamba2_decode
 from pallas_kernels.metadata import (
     ChunkMetadata,
     bucket_for,
@@ -34,6 +35,7 @@ __all__ = [
     "gated_rms_norm",
     "grouped_matmul",
     "kv_lens_from_mask",
+    "mamba2_decode",
     "masked_tail_attention",
     "matmul_precision",
     "max_chunks_for",

@@ -112,6 +112,8 @@ class Mamba2Mixer(nnx.Module):
     ) -> tuple[jax.Array, MambaCache]:
         """Steps 1-4: everything before the output projection; y[T, d_inner]."""
         cfg = self.cfg
+        if batch.num_decode == h.shape[0] and self.norm_devices == 1:
+            return self._decode_step(h, batch, cache)
         y, z, cache = self._ssm(h, batch, cache)
         # 4) Gated grouped RMSNorm (groups of d_inner / G); the output projection follows.
         if self.norm_weight is not None and self.norm_devices > 1:
@@ -128,6 +130,38 @@ class Mamba2Mixer(nnx.Module):
             )
         return y, cache
 
+    def _project(self, h: jax.Array) -> jax.Array:
+        """Step 1, the parallel projection: zxbcdt[T, z | xBC | dt] (µP: input and
+        per-segment multipliers)."""
+        return self._scale_segments(self.in_proj(scaled(h, self.cfg.mamba_in_multiplier)))
+
+    def _decode_step(
+        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
+    ) -> tuple[jax.Array, MambaCache]:
+        """Steps 1-4 of a step whose every row is one decode token: ``pk.mamba2_decode``
+        runs the conv update, state update and gated norm on in_proj's packed rows (its
+        kernels read z, xBC and dt where they lie, instead of XLA copying each slice out
+        first). Used wherever the norm is local to a device."""
+        cfg = self.cfg
+        y, conv_state, ssm_state = pk.mamba2_decode(
+            self._project(h),
+            cache.conv_state,
+            self.conv_weight[...],
+            self._conv_bias(),
+            cache.ssm_state,
+            self._A(),
+            slot_ids=batch.slot_ids[: batch.num_decode],
+            norm_weight=None if self.norm_weight is None else self.norm_weight[...],
+            norm_group_size=cfg.mamba_d_inner // cfg.mamba_groups,
+            norm_eps=cfg.norm_eps,
+            norm_before_gate=cfg.mamba_norm_before_gate,
+            **self._ssm_params(),
+        )
+        cache = dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
+        if cache.has_snapshots and batch.snapshots is not None:
+            cache = self._save_decode_snapshots(batch, cache)
+        return y, cache
+
     def _ssm(
         self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
     ) -> tuple[jax.Array, jax.Array, MambaCache]:
@@ -137,7 +171,7 @@ class Mamba2Mixer(nnx.Module):
         num_decode = batch.num_decode
 
         # 1) Parallel projection: z | xBC | dt (µP: input and per-segment multipliers).
-        zxbcdt = self._scale_segments(self.in_proj(scaled(h, cfg.mamba_in_multiplier)))
+        zxbcdt = self._project(h)
         z, xbc, dt = jnp.split(zxbcdt, [d_inner, d_inner + conv_dim], axis=-1)
         # Without the norm (Falcon-H1's mamba_rms_norm=False) the SSM ops gate y · silu(z).
         ssm_gate = None if self.norm_weight is not None else z

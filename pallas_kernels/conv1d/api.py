@@ -44,7 +44,7 @@ CAUSAL_CONV1D_UPDATE = Op(
 )
 
 
-def _check_weights_and_cache(
+def check_weights_and_cache(
     weight: jax.Array, bias: jax.Array | None, conv_state_cache: jax.Array, dim: int
 ) -> int:
     """Checks ``weight[dim, K]``, ``bias[dim]`` and ``conv_state_cache[S, K-1, dim]``;
@@ -111,7 +111,7 @@ def causal_conv1d(
     if x.ndim != 2:
         raise ValueError(f"x must have shape [T, dim], got {x.shape}")
     T, dim = x.shape
-    S = _check_weights_and_cache(weight, bias, conv_state_cache, dim)
+    S = check_weights_and_cache(weight, bias, conv_state_cache, dim)
     checks.check_integer("query_start_loc", query_start_loc)
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
         raise ValueError(
@@ -177,7 +177,7 @@ def causal_conv1d_update(
     if x.ndim not in (2, 3):
         raise ValueError(f"x must have shape [Bd, dim] or [Bd, L, dim], got {x.shape}")
     Bd, dim = x.shape[0], x.shape[-1]
-    S = _check_weights_and_cache(weight, bias, conv_state_cache, dim)
+    S = check_weights_and_cache(weight, bias, conv_state_cache, dim)
     checks.check_activation(activation)
     checked_slot_ids = checks.check_slot_ids(slot_ids, Bd, S, "[Bd]")
     if validate:

@@ -607,13 +607,14 @@ def causal_conv1d(
 
 def _update_kernel(
     slot_ref,  # [Bd] int32
-    x_ref,  # [Bd, L, dim]
+    x_ref,  # [Bd, L, ≥ x_col0 + dim]
     w_ref,  # [dim, K]
     bias_ref,  # [dim] or None
     cache_in_ref,  # [S, K-1, dim], aliased to cache_ref
     y_ref,  # [Bd, L, dim]
     cache_ref,  # [S, K-1, dim]
     *,
+    x_col0: int,
     width: int,
     block_d: int,
     activation: str | None,
@@ -646,9 +647,9 @@ def _update_kernel(
         )
 
         def step(l, window):
-            current = plgpu.load(x_ref.at[r, l, pl.ds(d0, block_d)], mask=d_live, other=0.0).astype(
-                jnp.float32
-            )
+            current = plgpu.load(
+                x_ref.at[r, l, pl.ds(x_col0 + d0, block_d)], mask=d_live, other=0.0
+            ).astype(jnp.float32)
             taps = (*window, current)
             y = sum(tap * w for tap, w in zip(taps, weights, strict=True))
             if bias is not None:
@@ -687,11 +688,15 @@ def causal_conv1d_update(
     slot_ids: jax.Array,
     activation: str | None,
     config: BlockSizes,
+    x_col0: int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """See :func:`pallas_kernels.causal_conv1d_update`; ``x`` is ``[Bd, L, dim]`` here."""
-    rows, _, dim = x.shape
-    width = weight.shape[1]
+    """See :func:`pallas_kernels.causal_conv1d_update`; ``x`` is ``[Bd, L, dim]`` here, or
+    wider with the conv's channels at columns ``x_col0 .. x_col0 + dim`` (the fused Mamba2
+    decode step reads them from in_proj's packed output; the caller checks the window).
+    Returns ``(y[Bd, L, dim], new_conv_state_cache)``."""
+    rows, steps = x.shape[:2]
+    dim, width = weight.shape
     blocks = config
     block_d = blocks.block_d
     args = (checked_slots(slot_ids, conv_state_cache.shape[0]), x, weight, bias, conv_state_cache)
@@ -699,6 +704,7 @@ def causal_conv1d_update(
     return pl.pallas_call(
         functools.partial(
             _update_kernel,
+            x_col0=x_col0,
             width=width,
             block_d=block_d,
             activation=activation,
@@ -706,7 +712,7 @@ def causal_conv1d_update(
         ),
         grid=(rows, pl.cdiv(dim, block_d)),
         out_shape=(
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((rows, steps, dim), x.dtype),
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),
         ),
         input_output_aliases={cache_index: 1},

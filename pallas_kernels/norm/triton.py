@@ -86,7 +86,20 @@ def _kernel(
     plgpu.store(y_ref.at[rows, cols], y.astype(y_ref.dtype), mask=tile)
 
 
-def _forward(x, z, weight, *, group_size, eps, norm_before_gate, config, interpret):
+def forward(
+    x: jax.Array,
+    z: jax.Array | None,
+    weight: jax.Array,
+    *,
+    group_size: int,
+    eps: float,
+    norm_before_gate: bool,
+    config: BlockSizes,
+    interpret: bool = False,
+) -> jax.Array:
+    """The norm without its VJP: ``y[T, Dm]`` of ``x[T, Dm]``. ``z`` may be wider than x,
+    its first ``Dm`` columns the gate (the fused Mamba2 decode step passes in_proj's packed
+    ``z | xBC | dt`` rows, whose z comes first)."""
     num_rows, dim = x.shape
     blocks = config
     return pl.pallas_call(
@@ -233,16 +246,16 @@ def _differentiable(
 
     @jax.custom_vjp
     def norm(x, z, weight):
-        return _forward(x, z, weight, **options)
+        return forward(x, z, weight, **options)
 
-    def forward(x, z, weight):
+    def forward_rule(x, z, weight):
         return norm(x, z, weight), (x, z, weight)
 
     def backward_rule(residuals, dy):
         x, z, weight = residuals
         return backward(x, z, weight, dy, **options)
 
-    norm.defvjp(forward, backward_rule)
+    norm.defvjp(forward_rule, backward_rule)
     return norm
 
 

@@ -18,11 +18,12 @@ SELECTIVE_STATE_UPDATE = Op(
             "triton",
             triton.selective_state_update,
             config_type=triton.BlockSizes,
-            default_config=lambda state_cache, x, *_, **__: triton.default_block_sizes(
+            default_config=lambda state_cache, x, *_, z=None, **__: triton.default_block_sizes(
                 state_cache.shape[2],
                 state_cache.shape[3],
                 rows=x.shape[0],
                 num_heads=state_cache.shape[1],
+                gated=z is not None,
             ),
         ),
         Backend("xla", reference.selective_state_update),

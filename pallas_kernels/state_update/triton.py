@@ -9,6 +9,12 @@ state loads while this one's is reduced and stored), which keeps more bytes in f
 SM than one head per program. Rows whose slot is ``-1`` read and write nothing and produce
 zeros. Memory-bound: each named state is read once and written once, fp32 or bf16, with
 fp32 arithmetic.
+
+The kernel reads its per-row inputs as ``[Bd, width]`` row arrays at column offsets
+(:class:`Columns`): the op passes x, dt, B, C and z flattened, each at column 0; the fused
+Mamba2 decode step (``pallas_kernels.mamba_decode``) passes the conv output and in_proj's
+packed ``z | xBC | dt`` rows, so XLA does not copy their column slices into arrays of their
+own before the kernel (a copy kernel each, about 1 µs at one row and 3.5 µs at 64).
 """
 
 from __future__ import annotations
@@ -44,6 +50,19 @@ class BlockSizes:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Where each per-row input starts in its ``[Bd, width]`` row array: head ``h``'s x at
+    ``x + h P``, its dt at ``dt + h``, group ``g``'s B and C at ``B + g N`` and ``C + g N``,
+    the gate z at ``z + h P``."""
+
+    x: int = 0
+    dt: int = 0
+    B: int = 0
+    C: int = 0
+    z: int = 0
+
+
 # Programs per launch below which heads are not grouped: 4 per SM of an H200 (132 SMs).
 _MIN_PROGRAMS = 512
 # Heads per program at most (measured best on the H200, below).
@@ -51,7 +70,7 @@ _MAX_BLOCK_H = 16
 
 
 def default_block_sizes(
-    head_dim: int, state_dim: int, *, rows: int = 1, num_heads: int = 1
+    head_dim: int, state_dim: int, *, rows: int = 1, num_heads: int = 1, gated: bool = False
 ) -> BlockSizes:
     """Heuristic: tiles of up to 8k elements with 8 warps (32 fp32 registers per thread),
     a whole head of Mamba2's 64 × 128 states per program; that reached 85-86% of the copy
@@ -59,7 +78,9 @@ def default_block_sizes(
     loads kept in L2 for their write-back, against 82% for 4k tiles with 4 warps. With
     many rows, up to 16 heads per program in a 2-stage loop at 16 warps, as long as the
     launch keeps ``_MIN_PROGRAMS`` programs: 88-89% at 64 and 256 rows (2 heads 86-87%,
-    4 heads 86-88%, 8 heads at 8 warps 85-89%; benchmarks/results/nvidia_h200.json)."""
+    4 heads 86-88%, 8 heads at 8 warps 85-89%; benchmarks/results/nvidia_h200.json).
+    With the z gate (``gated``) the 16-warp whole-head tiles fall to 74-75% of copy; half
+    heads (32 × 128) at 8 warps keep 87-88% (H200, 2026-11-27, same run)."""
     block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
     programs = rows * pl.cdiv(head_dim, block_p) * num_heads
     block_h = 1
@@ -67,23 +88,27 @@ def default_block_sizes(
         block_h *= 2
     if block_h == 1:
         return BlockSizes(block_p=block_p, num_warps=8)
+    if gated:
+        block_p = max(1, min(block_p, 4096 // block_dim(state_dim)))
+        return BlockSizes(block_p=block_p, block_h=block_h, num_warps=8, num_stages=2)
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
 
 
 def _kernel(
     slot_ref,  # [Bd] int32
-    x_ref,  # [Bd, H, P]
-    dt_ref,  # [Bd, H]
+    x_ref,  # [Bd, ≥ columns.x + H P]
+    dt_ref,  # [Bd, ≥ columns.dt + H]
     A_ref,  # [H] fp32
-    B_ref,  # [Bd, G, N]
-    C_ref,  # [Bd, G, N]
+    B_ref,  # [Bd, ≥ columns.B + G N]
+    C_ref,  # [Bd, ≥ columns.C + G N]
     D_ref,  # [H] or [H, P] fp32, or None
-    z_ref,  # [Bd, H, P] or None
+    z_ref,  # [Bd, ≥ columns.z + H P] or None
     dt_bias_ref,  # [H] fp32 or None
     cache_in_ref,  # [S, H, P, N], aliased to cache_ref
     y_ref,  # [Bd, H, P]
     cache_ref,  # [S, H, P, N]
     *,
+    columns: Columns,
     heads_per_group: int,
     head_dim: int,
     state_dim: int,
@@ -120,19 +145,25 @@ def _kernel(
         h, p_live, tile = masks(hb * block_h + i)
         g = h // heads_per_group
         cache_tile = cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)]
+        x_cols = pl.ds(columns.x + h * head_dim + p0, bp)
         # evict_last: the tile is written back right after, to the same lines.
         state = plgpu.load(
             cache_tile, mask=tile, other=None if tile is None else 0.0, eviction_policy="evict_last"
         ).astype(jnp.float32)
         bias = None if dt_bias_ref is None else dt_bias_ref[h]
         dt = process_dt(
-            dt_ref[r, h].astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit
+            dt_ref[r, columns.dt + h].astype(jnp.float32),
+            bias,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
         )
         decay = decay_factor(dt * A_ref[h])
-        x = masked_load(x_ref.at[r, h, pl.ds(p0, bp)], p_live).astype(jnp.float32)
+        x = masked_load(x_ref.at[r, x_cols], p_live).astype(jnp.float32)
         n_live = None if exact_tile else jnp.arange(bn) < state_dim
-        B = masked_load(B_ref.at[r, g, pl.ds(static_index(0), bn)], n_live).astype(jnp.float32)
-        C = masked_load(C_ref.at[r, g, pl.ds(static_index(0), bn)], n_live).astype(jnp.float32)
+        B_cols = pl.ds(columns.B + g * state_dim, bn)
+        C_cols = pl.ds(columns.C + g * state_dim, bn)
+        B = masked_load(B_ref.at[r, B_cols], n_live).astype(jnp.float32)
+        C = masked_load(C_ref.at[r, C_cols], n_live).astype(jnp.float32)
         state = decay * state + (dt * x)[:, None] * B[None, :]
         plgpu.store(cache_tile, state.astype(cache_ref.dtype), mask=tile)
         y = jnp.sum(state * C[None, :], axis=1)
@@ -141,7 +172,8 @@ def _kernel(
         elif D_ref is not None:
             y = y + masked_load(D_ref.at[h, pl.ds(p0, bp)], p_live) * x
         if z_ref is not None:
-            y = y * silu(masked_load(z_ref.at[r, h, pl.ds(p0, bp)], p_live).astype(jnp.float32))
+            z_cols = pl.ds(columns.z + h * head_dim + p0, bp)
+            y = y * silu(masked_load(z_ref.at[r, z_cols], p_live).astype(jnp.float32))
         plgpu.store(y_ref.at[r, h, pl.ds(p0, bp)], y.astype(y_ref.dtype), mask=p_live)
         return carry
 
@@ -178,8 +210,57 @@ def selective_state_update(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.selective_state_update`; arguments are already validated."""
-    rows, H, P = x.shape
-    G, N = B.shape[1:]
+    rows = x.shape[0]
+
+    def flat(a: jax.Array | None) -> jax.Array | None:
+        """[Bd, ...] → [Bd, width]: a bitcast, no copy."""
+        return None if a is None else a.reshape(rows, -1)
+
+    return state_update_rows(
+        state_cache,
+        flat(x),
+        dt,
+        A,
+        flat(B),
+        flat(C),
+        z=flat(z),
+        columns=Columns(),
+        num_groups=B.shape[1],
+        slot_ids=slot_ids,
+        D=D,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def state_update_rows(
+    state_cache: jax.Array,
+    x: jax.Array,
+    dt: jax.Array,
+    A: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    *,
+    z: jax.Array | None,
+    columns: Columns,
+    num_groups: int,
+    slot_ids: jax.Array,
+    D: jax.Array | None,
+    dt_bias: jax.Array | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    config: BlockSizes,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The state update on row arrays: ``x``, ``dt``, ``B``, ``C``, ``z`` are ``[Bd, width]``
+    arrays (possibly one and the same) holding each input at its :class:`Columns` offset.
+    The caller checks that every window lies inside its array. Returns ``(y[Bd, H, P],
+    new_state_cache)``, ``y`` in ``x``'s dtype."""
+    rows = x.shape[0]
+    H, P, N = state_cache.shape[1:]
     blocks = config
     block_p = blocks.block_p
     f32 = jnp.float32
@@ -193,7 +274,8 @@ def selective_state_update(
     return pl.pallas_call(
         functools.partial(
             _kernel,
-            heads_per_group=H // G,
+            columns=columns,
+            heads_per_group=H // num_groups,
             head_dim=P,
             state_dim=N,
             dt_softplus=dt_softplus,

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for
+from pallas_kernels.mamba_decode import triton as mamba_decode_triton
 from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.state_update import triton as state_update_triton
-from tests.helpers import lower_for_cuda, spec
+from tests.helpers import lower_for_cuda, primitives_outside_kernels, spec
 
 
 @pytest.mark.parametrize(
@@ -169,3 +171,50 @@ def test_state_update_lowers(cache_dtype, R):
     )
     assert f"selective_state_update_bp64_bh{config.block_h}" in text
     assert f"tensor<{H}x{P}xf32>" not in text, "D was broadcast to [H, P]"
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_mamba2_decode_lowers_on_packed_rows(norm):
+    """Bamba-9B's decode mixer lowers as the conv update, the state update and (with the
+    norm) the gated norm, and nothing outside the kernels slices in_proj's rows or the conv
+    output: each such slice was an XLA copy kernel a layer before the kernels read the
+    packed rows."""
+    S, H, P, N, G, K, R = 8, 128, 64, 128, 1, 4, 64
+    conv_dim = H * P + 2 * G * N
+
+    def fn(zxbcdt, conv_cache, conv_weight, ssm_cache, A, slots, D, dt_bias, norm_weight):
+        return mamba_decode_triton.mamba2_decode(
+            zxbcdt,
+            conv_cache,
+            conv_weight,
+            None,
+            ssm_cache,
+            A,
+            num_groups=G,
+            slot_ids=slots,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            dt_limit=(0.0, math.inf),
+            norm_weight=norm_weight if norm else None,
+            norm_group_size=H * P // G,
+            norm_eps=1e-5,
+            norm_before_gate=False,
+        )
+
+    args = (
+        spec((R, H * P + conv_dim + H)),
+        spec((S, K - 1, conv_dim)),
+        spec((conv_dim, K)),
+        spec((S, H, P, N), jnp.float32),
+        spec((H,), jnp.float32),
+        spec((R,), jnp.int32),
+        spec((H,), jnp.float32),
+        spec((H,), jnp.float32),
+        spec((H * P,)),
+    )
+    text = lower_for_cuda(fn, *args)
+    assert "causal_conv1d_update_k4" in text and "selective_state_update_bp" in text
+    assert ("gated_rms_norm" in text) == norm
+    outside = primitives_outside_kernels(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert not outside & {"slice", "dynamic_slice", "gather", "concatenate"}, outside

@@ -79,6 +79,39 @@ def test_greedy_generation_is_the_argmax_of_the_forward(family):
         assert generated == greedy_reference(m, prompt, generated)
 
 
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1"])
+def test_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch):
+    """A step of decode rows only runs each Mamba mixer through ``mamba2_decode`` (here on
+    its Triton kernels, interpreted off-GPU): with the gated norm (Bamba) and without it
+    (Falcon-H1, where z gates the state update), its logits are the plain forward's."""
+    from flax_models.layers import mamba2
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["implementation"])
+        return original(*args, **kwargs)
+
+    original = mamba2.pk.mamba2_decode
+    monkeypatch.setattr(mamba2.pk, "mamba2_decode", counted)
+    m = load_hf_checkpoint(FIXTURES / family, implementation="triton")
+    rng = np.random.default_rng(5)
+    prompts = random_prompts(rng, m.cfg.vocab_size, (6, 3))
+    next_tokens = [int(t) for t in rng.integers(0, m.cfg.vocab_size, size=2)]
+    engine = Engine(
+        m, max_slots=2, max_len=16, token_budget=16, decode_buckets=(2,), kv_block_size=16
+    )
+    engine.step(engine.builder.build([], [Request(s, p, 0) for s, p in enumerate(prompts)]))
+    assert not calls, "a prefill step ran the decode mixer"
+    rows = enumerate(zip(prompts, next_tokens, strict=True))
+    decode = [Request(s, [t], len(p)) for s, (p, t) in rows]
+    logits = np.asarray(engine.step(engine.builder.build(decode, [])))
+    assert calls and set(calls) == {"triton"}
+    for s, (prompt, token) in enumerate(zip(prompts, next_tokens, strict=True)):
+        full = np.asarray(model(family)(jnp.asarray([prompt + [token]])))[0, -1]
+        assert_close(logits[s], full, rtol=1e-4, name=f"{family} row {s}")
+
+
 def test_same_tokens_alone_and_in_a_batch():
     m = model()
     rng = np.random.default_rng(1)

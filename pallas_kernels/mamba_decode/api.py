@@ -1,0 +1,146 @@
+"""``mamba2_decode``: validation and dispatch for the Mamba2 mixer's decode step."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _validation as checks
+from pallas_kernels.backend import Backend, Call, Implementation, Op
+from pallas_kernels.conv1d.api import check_weights_and_cache
+from pallas_kernels.mamba_decode import reference, triton
+
+MAMBA2_DECODE = Op(
+    "mamba2_decode",
+    (Backend("triton", triton.mamba2_decode), Backend("xla", reference.mamba2_decode)),
+)
+
+
+def mamba2_decode(
+    zxbcdt: jax.Array,
+    conv_state_cache: jax.Array,
+    conv_weight: jax.Array,
+    conv_bias: jax.Array | None,
+    ssm_state_cache: jax.Array,
+    A: jax.Array,
+    *,
+    slot_ids: jax.Array,
+    D: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    norm_weight: jax.Array | None = None,
+    norm_group_size: int | None = None,
+    norm_eps: float = 1e-5,
+    norm_before_gate: bool = False,
+    validate: bool = False,
+    implementation: Implementation = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode token per row through a Mamba2 mixer, from in_proj's output to the input
+    of out_proj: :func:`causal_conv1d_update` (SiLU) on the xBC columns,
+    :func:`selective_state_update` on its x, B, C and the dt columns, then
+    :func:`gated_rms_norm` of y gated by the z columns. Without ``norm_weight`` the state
+    update gates ``y · silu(z)`` itself and there is no norm. Equal to those three ops on
+    the split row; the ``triton`` backend runs their kernels on the packed rows, without
+    copying the column slices first.
+
+    With ``d_inner = H P`` and ``conv_dim = d_inner + 2 G N``, row ``r`` of ``zxbcdt`` is
+    ``z[d_inner] | x[d_inner] | B[G N] | C[G N] | dt[H]``; G comes from the conv width.
+    Rows whose slot is ``-1`` (or outside ``[0, S)``) read and write nothing and give 0.
+
+    Args:
+      zxbcdt: zxbcdt[Bd, 2 d_inner + 2 G N + H], in_proj's output.
+      conv_state_cache: conv_state_cache[S, K-1, conv_dim], updated functionally.
+      conv_weight: conv_weight[conv_dim, K].
+      conv_bias: conv_bias[conv_dim] or None.
+      ssm_state_cache: ssm_state_cache[S, H, P, N], fp32 or bf16, updated functionally.
+      A: A[H].
+      slot_ids: int32[Bd], the cache slot of each row (both caches).
+      D, dt_bias, dt_softplus, dt_limit: as :func:`selective_state_update`.
+      norm_weight: norm_weight[d_inner], or None for no norm (z gates the state update).
+      norm_group_size: channels per norm group; ``d_inner / G`` when None.
+      norm_eps, norm_before_gate: as :func:`gated_rms_norm`.
+      validate: check ``slot_ids`` on the host.
+      implementation: "auto" | "xla" | "triton", or a sequence of backend names to take the
+        first that serves the call (see ``pallas_kernels.backend``).
+
+    Returns:
+      ``(y[Bd, d_inner], new_conv_state_cache, new_ssm_state_cache)``, y in zxbcdt's dtype.
+    """
+    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A, slot_ids = (
+        jnp.asarray(a)
+        for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A, slot_ids)
+    )
+    conv_bias, D, dt_bias, norm_weight = (
+        None if a is None else jnp.asarray(a) for a in (conv_bias, D, dt_bias, norm_weight)
+    )
+    checks.check_floating("ssm_state_cache", ssm_state_cache)
+    if ssm_state_cache.ndim != 4:
+        raise ValueError(
+            f"ssm_state_cache must have shape [S, H, P, N], got {ssm_state_cache.shape}"
+        )
+    S, H, P, N = ssm_state_cache.shape
+    d_inner = H * P
+    if conv_weight.ndim != 2:
+        raise ValueError(f"conv_weight must have shape [conv_dim, K], got {conv_weight.shape}")
+    conv_dim = conv_weight.shape[0]
+    gn2 = conv_dim - d_inner
+    if gn2 <= 0 or gn2 % (2 * N) or H % (gn2 // (2 * N)):
+        raise ValueError(
+            f"conv_weight must have shape [conv_dim, K] with conv_dim = H P + 2 G N "
+            f"(H={H}, P={P}, N={N}, G dividing H), got {conv_weight.shape}"
+        )
+    G = gn2 // (2 * N)
+    if check_weights_and_cache(conv_weight, conv_bias, conv_state_cache, conv_dim) != S:
+        raise ValueError(
+            f"conv_state_cache and ssm_state_cache must have the same slots S, got "
+            f"{conv_state_cache.shape[0]} and {S}"
+        )
+    checks.check_floating("zxbcdt", zxbcdt)
+    if zxbcdt.ndim != 2 or zxbcdt.shape[1] != d_inner + conv_dim + H:
+        raise ValueError(
+            f"zxbcdt must have shape [Bd, 2 H P + 2 G N + H] = (Bd, {d_inner + conv_dim + H}), "
+            f"got {zxbcdt.shape}"
+        )
+    Bd = zxbcdt.shape[0]
+
+    def split(*shape: int) -> jax.ShapeDtypeStruct:
+        """A piece of the split row, for the SSM's own checks (A, D, dt_bias, dt_limit)."""
+        return jax.ShapeDtypeStruct(shape, zxbcdt.dtype)
+
+    dt_limit = checks.check_ssm_inputs(
+        split(Bd, H, P), split(Bd, H), A, split(Bd, G, N), split(Bd, G, N),
+        D=D, z=None, dt_bias=dt_bias, dt_limit=dt_limit, rows="Bd",
+    )  # fmt: skip
+    if norm_group_size is None:
+        norm_group_size = d_inner // G
+    if norm_weight is not None:
+        checks.check_shape("norm_weight", norm_weight, (d_inner,), "[d_inner]")
+        if norm_group_size < 1 or d_inner % norm_group_size:
+            raise ValueError(f"{norm_group_size=} must be >= 1 and divide d_inner={d_inner}")
+        if not norm_eps >= 0:
+            raise ValueError(f"{norm_eps=} must be >= 0")
+    checked_slot_ids = checks.check_slot_ids(slot_ids, Bd, S, "[Bd]")
+    if validate:
+        checks.validate_slot_ids(slot_ids, S)
+    call = Call(
+        (zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A),
+        dict(
+            num_groups=G,
+            slot_ids=checked_slot_ids,
+            D=D,
+            dt_bias=dt_bias,
+            dt_softplus=bool(dt_softplus),
+            dt_limit=dt_limit,
+            norm_weight=norm_weight,
+            norm_group_size=int(norm_group_size),
+            norm_eps=float(norm_eps),
+            norm_before_gate=bool(norm_before_gate),
+        ),
+        empty=(
+            (lambda: (zxbcdt[:, :d_inner], conv_state_cache, ssm_state_cache)) if Bd == 0 else None
+        ),
+    )
+    return MAMBA2_DECODE.run(call, implementation)

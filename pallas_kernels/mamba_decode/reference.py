@@ -1,0 +1,72 @@
+"""Pure ``jax.numpy`` Mamba2 decode step: the ``xla`` implementation of ``mamba2_decode``,
+the three ops' references on the split ``z | xBC | dt`` row."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.conv1d import reference as conv
+from pallas_kernels.norm import reference as norm
+from pallas_kernels.state_update import reference as state_update
+
+
+def mamba2_decode(
+    zxbcdt: jax.Array,
+    conv_state_cache: jax.Array,
+    conv_weight: jax.Array,
+    conv_bias: jax.Array | None,
+    ssm_state_cache: jax.Array,
+    A: jax.Array,
+    *,
+    num_groups: int,
+    slot_ids: jax.Array,
+    D: jax.Array | None,
+    dt_bias: jax.Array | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    norm_weight: jax.Array | None,
+    norm_group_size: int,
+    norm_eps: float,
+    norm_before_gate: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.mamba2_decode`; arguments are already validated."""
+    rows = zxbcdt.shape[0]
+    H, P, N = ssm_state_cache.shape[1:]
+    d_inner, conv_dim, gn = H * P, conv_weight.shape[0], num_groups * N
+    z = zxbcdt[:, :d_inner]
+    xbc = zxbcdt[:, d_inner : d_inner + conv_dim]
+    dt = zxbcdt[:, d_inner + conv_dim :]
+    xbc, conv_state_cache = conv.causal_conv1d_update(
+        xbc[:, None, :],
+        conv_state_cache,
+        conv_weight,
+        conv_bias,
+        slot_ids=slot_ids,
+        activation="silu",
+    )
+    xbc = xbc.reshape(rows, conv_dim)
+    y, ssm_state_cache = state_update.selective_state_update(
+        ssm_state_cache,
+        xbc[:, :d_inner].reshape(rows, H, P),
+        dt,
+        A,
+        xbc[:, d_inner : d_inner + gn].reshape(rows, num_groups, N),
+        xbc[:, d_inner + gn :].reshape(rows, num_groups, N),
+        slot_ids=slot_ids,
+        D=D,
+        z=z.reshape(rows, H, P) if norm_weight is None else None,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+    )
+    y = y.reshape(rows, d_inner)
+    if norm_weight is not None:
+        y = norm.gated_rms_norm(
+            y,
+            z,
+            norm_weight,
+            group_size=norm_group_size,
+            eps=norm_eps,
+            norm_before_gate=norm_before_gate,
+        )
+    return y, conv_state_cache, ssm_state_cache
