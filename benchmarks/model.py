@@ -470,11 +470,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         f"{'vs xla':>8}{'vs tp1':>8}"
     )
     for r in rows:
+        # A ratio whose baseline row was not in this run prints as "-".
+        ratios = (r.get(key) for key in ("speedup_vs_xla", "speedup_vs_tp1"))
         print(
             f"{r['problem']:<48}{r['implementation']:<6}{r['median_ms']:>10.3f}"
             f"{r['tokens_per_s']:>12.0f}{r['roofline_fraction']:>8.1%}"
-            f"{r.get('speedup_vs_xla', float('nan')):>7.2f}x"
-            f"{r.get('speedup_vs_tp1', float('nan')):>7.2f}x"
+            + "".join(f"{'-':>8}" if x is None else f"{x:>7.2f}x" for x in ratios)
         )
     harness.report("hybrid model serving", rows, ceilings, args.out)
     return rows

@@ -23,6 +23,7 @@ from flax_models.batch import make_forward_batch
 from flax_models.cache import init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
+from flax_models.layers.mlp import MLP, SEPARATE_GATE_UP_ROWS
 from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM, layer_implementation
 from pallas_kernels.testing import assert_close
@@ -649,3 +650,27 @@ def test_falcon_h1_both_states_carry_across_steps():
     for start, stop in ((0, 11), (11, 19), (19, 20), (20, 21)):
         logits, caches = step(caches, start=start, stop=stop, decode=stop - start == 1)
         assert_close(logits, full[start:stop], rtol=1e-5, name=f"tokens {start}:{stop}")
+
+
+@pytest.mark.gpu
+def test_mlp_gate_and_up_stay_two_products():
+    """XLA's GPU dot merger joins two products of one operand into one over the
+    concatenated weights when they are small (each GPU's halves of Bamba-9B's gate and up at
+    tp = 2), and from SEPARATE_GATE_UP_ROWS rows on that merged gemm ran slower than the two:
+    there the MLP keeps them apart, so no weight concatenation is in its compiled program."""
+    mlp = MLP(
+        HybridConfig.tiny(hidden_size=512, intermediate_size=1024),
+        dtype=jnp.bfloat16,
+        rngs=nnx.Rngs(0),
+    )
+    graph, state = nnx.split(mlp)
+    forward = jax.jit(lambda state, x: nnx.merge(graph, state)(x))
+    x = jnp.ones((SEPARATE_GATE_UP_ROWS, 512), jnp.bfloat16)
+    compiled = forward.lower(state, x).compile().as_text()
+    assert "concatenate" not in compiled
+    h = x.astype(jnp.float32)
+    w = {
+        name: getattr(mlp, name).kernel.value.astype(jnp.float32) for name in ("gate", "up", "down")
+    }
+    want = (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+    assert_close(forward(state, x), want, rtol=2e-2)
