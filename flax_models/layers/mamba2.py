@@ -89,8 +89,14 @@ class Mamba2Mixer(nnx.Module):
             local.norm_devices = norm_devices
             kernel = local.out_proj.kernel[...]
             if fold_norm:
-                y, z, cache = local._ssm(h, batch, cache)
-                terms, squares = local._norm_terms(y, z)
+                if batch.num_decode == h.shape[0] and not cfg.mamba_norm_before_gate:
+                    # Decode rows only, gate first: the fused decode step, z gating the state
+                    # update, gives the norm's input y · silu(z) without slice copies.
+                    gated, cache = local._decode_step(h, batch, cache, norm=False)
+                    terms, squares = local._norm_terms(gated)
+                else:
+                    y, z, cache = local._ssm(h, batch, cache)
+                    terms, squares = local._norm_terms(y, z)
                 part = jnp.dot(
                     terms.astype(kernel.dtype), kernel, precision=local.out_proj.precision
                 )
@@ -136,13 +142,15 @@ class Mamba2Mixer(nnx.Module):
         return self._scale_segments(self.in_proj(scaled(h, self.cfg.mamba_in_multiplier)))
 
     def _decode_step(
-        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
+        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache, *, norm: bool = True
     ) -> tuple[jax.Array, MambaCache]:
         """Steps 1-4 of a step whose every row is one decode token: ``pk.mamba2_decode``
         runs the conv update, state update and gated norm on in_proj's packed rows (its
         kernels read z, xBC and dt where they lie, instead of XLA copying each slice out
-        first). Used wherever the norm is local to a device."""
+        first). Used wherever the norm is local to a device. ``norm=False``: steps 1-3
+        only, y · silu(z) (z gating the state update), for a norm the caller completes."""
         cfg = self.cfg
+        norm_weight = self.norm_weight[...] if norm and self.norm_weight is not None else None
         y, conv_state, ssm_state = pk.mamba2_decode(
             self._project(h),
             cache.conv_state,
@@ -151,7 +159,7 @@ class Mamba2Mixer(nnx.Module):
             cache.ssm_state,
             self._A(),
             slot_ids=batch.slot_ids[: batch.num_decode],
-            norm_weight=None if self.norm_weight is None else self.norm_weight[...],
+            norm_weight=norm_weight,
             norm_group_size=cfg.mamba_d_inner // cfg.mamba_groups,
             norm_eps=cfg.norm_eps,
             norm_before_gate=cfg.mamba_norm_before_gate,
@@ -213,18 +221,20 @@ class Mamba2Mixer(nnx.Module):
         inv_rms = self._inv_rms(group_sum, y.shape[-1] * span)
         return (terms * inv_rms[:, None]).astype(y.dtype)
 
-    def _norm_terms(self, y: jax.Array, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _norm_terms(self, y: jax.Array, z: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The gated RMSNorm of one norm group but for its per-row scale, in fp32: the
         normed row is ``terms * rsqrt(squares / group_size + eps)`` with ``terms = u · weight``
         (``· silu(z)`` when the norm comes before the gate) and ``squares = Σ u²`` over the
         row, ``u = y`` or, gate first, ``y · silu(z)``. y, z: [T, d]; terms [T, d],
-        squares [T]."""
+        squares [T]. Without z, y is already ``y · silu(z)`` (gate first)."""
         f32 = jnp.float32
-        u, gate = y.astype(f32), silu(z.astype(f32))
-        if not self.cfg.mamba_norm_before_gate:
+        before_gate = self.cfg.mamba_norm_before_gate
+        u = y.astype(f32)
+        gate = None if z is None else silu(z.astype(f32))
+        if gate is not None and not before_gate:
             u = u * gate
         terms = u * self.norm_weight[...].astype(f32)
-        if self.cfg.mamba_norm_before_gate:
+        if gate is not None and before_gate:
             terms = terms * gate
         return terms, jnp.sum(u * u, axis=-1)
 

@@ -143,6 +143,28 @@ out["compiles"] = [compiled, engine.compile_count]
 cached = Engine(sharded, **options, prefix_caching=True)  # blocks of one chunk (16)
 out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit_tokens"]]
 lap("engine")
+
+# A step of decode rows at tp = 2: Bamba's one norm group spans both devices, so each
+# device's mixer runs the fused decode step with z gating the state update (no norm) and
+# folds the norm into out_proj's all-reduce. Its logits are the single device's.
+from flax_models.batching import Request
+from flax_models.layers import mamba2
+fused_calls, real_decode = [], mamba2.pk.mamba2_decode
+def counted_decode(*args, **kwargs):
+    fused_calls.append(kwargs["norm_weight"] is None)
+    return real_decode(*args, **kwargs)
+mamba2.pk.mamba2_decode = counted_decode
+step_logits, gate_only = [], []
+for m in (single, sharded):
+    fused_calls.clear()
+    e = Engine(m, max_slots=2, max_len=40, token_budget=16, decode_buckets=(2,))
+    e.step(e.builder.build([], [Request(0, prompts[0], 0), Request(1, prompts[2], 0)]))
+    decode = [Request(0, [11], len(prompts[0])), Request(1, [12], len(prompts[2]))]
+    step_logits.append(np.asarray(e.step(e.builder.build(decode, []))))
+    gate_only.append(list(fused_calls))
+mamba2.pk.mamba2_decode = real_decode
+out["decode_step"] = dict(error=rel(*step_logits), gate_only=gate_only)
+lap("decode step")
 out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 
 # Data parallelism: the engine's slots in dp = 2 groups of 2 (a mesh dp x tp) on the prompts
@@ -315,6 +337,17 @@ def test_engine_generates_the_single_device_tokens(results):
     assert sharded == single == again
     first, second = results["compiles"]
     assert second == first  # the second generation compiled nothing
+
+
+def test_decode_step_on_a_mesh_runs_the_fused_mixer(results):
+    """tp = 2 with one norm group over both devices: the decode step's mixers run
+    ``mamba2_decode`` gating the state update by z (the norm folded after out_proj), and the
+    step's logits are the single device's (which runs it with the norm)."""
+    step = results["decode_step"]
+    single, sharded = step["gate_only"]
+    assert single and not any(single)
+    assert sharded and all(sharded)
+    assert step["error"] <= 1e-5, step["error"]
 
 
 def test_engine_prefix_caching_on_a_mesh(results):
