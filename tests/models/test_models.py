@@ -670,7 +670,7 @@ def test_mlp_gate_and_up_stay_two_products():
     assert "concatenate" not in compiled
     h = x.astype(jnp.float32)
     w = {
-        name: getattr(mlp, name).kernel.value.astype(jnp.float32) for name in ("gate", "up", "down")
+        name: getattr(mlp, name).kernel[...].astype(jnp.float32) for name in ("gate", "up", "down")
     }
     want = (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
     assert_close(forward(state, x), want, rtol=2e-2)
