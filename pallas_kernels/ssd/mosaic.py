@@ -9,7 +9,9 @@ slots, two consumer warpgroups run wgmma on them with fp32 accumulators in regis
 the Triton state scan writes) and the decay weights come from one small Triton launch
 (``triton.chunk_decay``, a program per chunk and 16 heads). One thread block per (two heads
 of a group, sequence), longest sequences first, walks the sequence's chunks in 128-row steps
-(none past a chunk's end): a ring slot holds the step's B rows (read once for both heads)
+(none past a chunk's end); short sequences share a block, walked back to back through one
+ring (:func:`state_scan_groups`; on an H200 a block's setup and its ring's first fill
+cost about 4 µs, two steps' time). A ring slot holds the step's B rows (read once for both heads)
 and each head's x rows; consumer k keeps head ``h0 + k``'s state ``s[P, N]`` in registers,
 stores it (in C's dtype) as the state entering each chunk (but a sequence's first without
 initial states: that one is zero, and the chunk scan reads none), and per chunk computes ``s ←
@@ -61,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import decay_factor, silu
+from pallas_kernels._common import decay_factor, search_sorted, silu
 from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
@@ -514,6 +516,11 @@ def _kernel(
 # ------------------------------------------------------------------- stage 1: the states
 
 _STEP_ROWS: Final = 128  # chunk rows per state-scan step (a chunk is 1 or 2 steps)
+# Steps of the window whose sequences one state-scan block walks (state_scan_groups), at
+# most; fewer where the batch would otherwise leave the GPU idle: its thread blocks should
+# fill four per SM of an H100 or H200 (132 SMs).
+_WINDOW_STEPS: Final = 16
+_FILL_BLOCKS: Final = 4 * 132
 _STATE_DIMS_OF_STATE_SCAN: Final = (64, 128)
 
 
@@ -530,6 +537,8 @@ def state_scan_supports(*, heads_per_group: int, state_dim: int, intermediate: b
 
 def _state_scan_kernel(
     order_ref,  # [B] int32: the sequences, longest first
+    window_ref,  # [B] int32: the window of sorted position j (state_scan_groups)
+    group_end_ref,  # [B] int32: the first sorted position past j's window
     first_ref,  # [B] int32: each sequence's first chunk
     count_ref,  # [B] int32: its number of chunks
     cu_ref,  # [max_chunks + 1] int32
@@ -556,16 +565,24 @@ def _state_scan_kernel(
         b_tiles, b_flat = b_views
         x_tiles, x_flat = x_views
         out_tiles, out_final = out_views
-        b = order_ref[lax.axis_index("seq")]
+        # The block of sorted position j walks the sequences of j's window, back to back,
+        # when j is the window's first; other blocks exit at once.
+        j = lax.axis_index("seq")
+        window = window_ref[j]
+        leads = (j == 0) | (window_ref[jnp.maximum(j - 1, 0)] != window)
+        seq_lo, seq_hi = j, jnp.where(leads, group_end_ref[j], j)
         h0 = lax.axis_index("heads") * _CONSUMERS
         group = lax.div(h0, heads_per_group)
         wg = lax.axis_index("wg")
-        first = first_ref[b]
-        num_steps, step_of = sequence_steps(
-            cu_ref, first, count_ref[b], steps_per_chunk=chunk_size // _STEP_ROWS
-        )
+        steps_per_chunk = chunk_size // _STEP_ROWS
 
-        def step_rows(i):  # (chunk, its first row, first packed row, live rows) of step i
+        def steps_of(b):  # sequence b's (first chunk, number of steps, step -> (chunk, row))
+            first = first_ref[b]
+            return first, *sequence_steps(
+                cu_ref, first, count_ref[b], steps_per_chunk=steps_per_chunk
+            )
+
+        def step_rows(step_of, i):  # (chunk, first row, first packed row, live rows)
             c, row0 = step_of(i)
             start = cu_ref[c]
             return c, row0, start + row0, jnp.clip(cu_ref[c + 1] - start - row0, 0, _STEP_ROWS)
@@ -574,8 +591,8 @@ def _state_scan_kernel(
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-            def load(i, slot):
-                c, row0, row, _ = step_rows(i)
+            def load(step, slot):
+                c, row0, row, _ = step
                 rows = pl.ds(row, _STEP_ROWS)
                 for t in range(state_tiles):
                     columns = pl.ds(t * _COLUMNS, _COLUMNS)
@@ -596,7 +613,19 @@ def _state_scan_kernel(
                         w_full.at[slot * _CONSUMERS + k],
                     )
 
-            produce_ring(load, num_steps, free, num_stages=num_stages)
+            def sequence(position, done):  # `done`: the block's steps before this sequence
+                _, num_steps, step_of = steps_of(order_ref[position])
+
+                @pl.loop(0, num_steps)
+                def _step(i):
+                    slot = lax.rem(done + i, num_stages)
+                    # The ring's first fill needs no free slot.
+                    pl.when(done + i >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+                    load(step_rows(step_of, i), slot)
+
+                return done + num_steps
+
+            lax.fori_loop(seq_lo, seq_hi, sequence, jnp.int32(0))
 
         @pl.when(wg < _CONSUMERS)
         def _consumer():
@@ -605,24 +634,10 @@ def _state_scan_kernel(
             h = h0 + k
             stage = out_tiles.at[k]  # [2, 64, N] in x's dtype: the carried states' tiles
             final_stage = out_final.at[k]  # [64, N] fp32, the same bytes
-            if initial_ref is None:
-                states = [
-                    plgpu.layout_cast(jnp.zeros(tile_shape, f32), wgmma_layout)
-                    for _ in range(state_tiles)
-                ]
-            else:
-                plgpu.copy_gmem_to_smem(initial_ref.at[b, h], final_stage, init_full.at[k])
-                plgpu.barrier_wait(init_full.at[k])
-                states = [
-                    plgpu.load(
-                        final_stage.at[:, pl.ds(t * _COLUMNS, _COLUMNS)], layout=wgmma_layout
-                    ).astype(f32)
-                    for t in range(state_tiles)
-                ]
 
-            def step(i, states):
-                slot = lax.rem(i, num_stages)
-                c, row0, _, live = step_rows(i)
+            def step(i, states, *, first, step_of, done):
+                slot = lax.rem(done + i, num_stages)
+                c, row0, _, live = step_rows(step_of, i)
                 chunk_start = row0 == 0
                 # Without initial states a sequence's first chunk starts from zero: the
                 # chunk scan that reads the carried states knows, and none is stored.
@@ -687,13 +702,39 @@ def _state_scan_kernel(
                 plgpu.barrier_arrive(free.at[slot])
                 return list(states)
 
-            states = lax.fori_loop(0, num_steps, step, states)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for t in range(state_tiles):
-                final_stage.at[:, pl.ds(t * _COLUMNS, _COLUMNS)][...] = states[t]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(final_stage, final_ref.at[b, h])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            def sequence(position, done):
+                b = order_ref[position]
+                first, num_steps, step_of = steps_of(b)
+                if initial_ref is None:
+                    states = [
+                        plgpu.layout_cast(jnp.zeros(tile_shape, f32), wgmma_layout)
+                        for _ in range(state_tiles)
+                    ]
+                else:  # final_stage is free: the last sequence's final state has left it
+                    plgpu.copy_gmem_to_smem(initial_ref.at[b, h], final_stage, init_full.at[k])
+                    plgpu.barrier_wait(init_full.at[k])
+                    states = [
+                        plgpu.load(
+                            final_stage.at[:, pl.ds(t * _COLUMNS, _COLUMNS)], layout=wgmma_layout
+                        ).astype(f32)
+                        for t in range(state_tiles)
+                    ]
+                # A sequence without chunks has no steps: its final state is its initial.
+                states = lax.fori_loop(
+                    0,
+                    num_steps,
+                    functools.partial(step, first=first, step_of=step_of, done=done),
+                    states,
+                )
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for t in range(state_tiles):
+                    final_stage.at[:, pl.ds(t * _COLUMNS, _COLUMNS)][...] = states[t]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(final_stage, final_ref.at[b, h])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                return done + num_steps
+
+            lax.fori_loop(seq_lo, seq_hi, sequence, jnp.int32(0))
 
     tiles = swizzled_tiles(dtype)
     flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
@@ -760,6 +801,32 @@ def sequence_steps(cu, first, count, *, steps_per_chunk: int):
     return num_steps, step
 
 
+def state_scan_groups(
+    s: triton.ScanShapes, order: jax.Array, count: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(window, group_end)``, int32 ``[B]`` each, over the sequences in ``order`` (longest
+    first): sorted position ``j``'s window is ``start_j // window_steps``, ``start_j`` the
+    steps of the positions before it (``steps_per_chunk`` a chunk, an upper bound), and
+    ``group_end[j]`` the first position in a later window. The state scan's block of a
+    window's first position walks that window's sequences back to back, so short sequences
+    share a block (and its TMA ring stays full across their boundaries); a sequence of a
+    window or more is alone in its block, and so is each sequence without chunks (a bucket's
+    empty slots, sorted last: each only writes its final state). ``window_steps`` is
+    ``_WINDOW_STEPS``, or fewer (down to 1: no sharing) where the batch's steps over all
+    head pairs would leave fewer than ``_FILL_BLOCKS`` blocks' worth of work per window."""
+    count = count[order]
+    steps = count * (s.chunk_size // _STEP_ROWS)
+    end = jnp.cumsum(steps)
+    start = end - steps
+    head_pairs = s.heads // _CONSUMERS
+    window_steps = jnp.clip(end[-1] * head_pairs // _FILL_BLOCKS, 1, _WINDOW_STEPS)
+    # Past every window of the real sequences' steps (at most max_chunks of them).
+    alone = s.max_chunks * (s.chunk_size // _STEP_ROWS) + 1
+    window = jnp.where(count > 0, start // window_steps, alone + jnp.arange(s.num_seqs))
+    window = window.astype(jnp.int32)
+    return window, search_sorted(window, window + 1, side="left").astype(jnp.int32)
+
+
 def state_scan(
     s: triton.ScanShapes,
     metadata,
@@ -782,7 +849,8 @@ def state_scan(
     """Stage 1 on the tensor cores, :func:`triton.state_scan`'s signature and results (final
     states only, ``state_scan_supports``): dt', cum and the chunk decays from one Triton
     launch (:func:`triton.chunk_decay`), then one thread block per (two heads, sequence),
-    longest sequences first, walking the sequence's chunks in 128-row steps
+    longest sequences first (short ones grouped, :func:`state_scan_groups`), walking the
+    sequence's chunks in 128-row steps
     (:func:`sequence_steps`: none past a chunk's end): per step a TMA ring slot holds B
     (shared by the two heads) and each head's x; consumer k owns head ``h0 + k``, keeps its
     state ``[P, N]`` in fp32 registers and adds ``(x ∘ w)ᵀ B`` with ``w = exp(cum_end −
@@ -801,6 +869,7 @@ def state_scan(
         interpret=interpret,
     )
     order, first, count = triton.sequence_chunks(s, metadata)
+    window, group_end = state_scan_groups(s, order, count)
     initial = None if initial_states is None else initial_states.astype(jnp.float32)
     kernel = plgpu.kernel(
         functools.partial(
@@ -825,7 +894,17 @@ def state_scan(
     )
     operands = [] if initial is None else [initial]
     carried, final = kernel(
-        order, first, count, metadata.cu_chunk_seqlens, x, B, weight, decay, *operands
+        order,
+        window,
+        group_end,
+        first,
+        count,
+        metadata.cu_chunk_seqlens,
+        x,
+        B,
+        weight,
+        decay,
+        *operands,
     )
     return dt_chunks, cum, carried, final.astype(state_dtype)
 

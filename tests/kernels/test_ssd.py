@@ -612,6 +612,29 @@ def test_gpu_65k_tokens(impl, num_seqs, initial):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_gpu_many_short_and_empty_sequences(impl):
+    """Short sequences share a Mosaic state-scan block (``state_scan_groups``) and empty
+    ones are alone: every final state is its own sequence's, an empty sequence's exactly
+    its initial state (or zero), with and without initial states."""
+    rng = np.random.default_rng(7)
+    lengths = [int(n) for n in rng.integers(1, 300, size=40)] + [2000, 0]
+    lengths[3] = lengths[17] = 0
+    empty = [b for b, n in enumerate(lengths) if n == 0]
+    p = _real_problem(lengths, groups=1, chunk_size=256, dtype=jnp.bfloat16)
+    for initial in (p.initial_states, None):
+        options = dict(D=p.D, dt_bias=p.dt_bias, dt_softplus=True, initial_states=initial)
+        y, states = run(p, impl, **options)
+        with jax.default_matmul_precision("highest"):
+            y_xla, states_xla = run(p, "xla", **options)
+        assert_close(y, y_xla, rtol=BF16_TOL, name="y vs xla")
+        assert_close(states, states_xla, rtol=BF16_TOL, name="states vs xla")
+        got = np.asarray(states)[empty]
+        want = np.zeros_like(got) if initial is None else np.asarray(initial)[empty]
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_mosaic_gradients_are_the_triton_kernels():
     """Under differentiation the Mosaic backend runs the Triton forward (it writes the
     backward's residuals) and backward: gradients bit-identical to Triton's; the value
@@ -777,3 +800,34 @@ def test_mosaic_state_scan_steps_cover_each_chunk_once():
         expected = [(c, row) for c in chunks for row in range(0, int(cu[c + 1] - cu[c]), 128)]
         assert walked == expected, b
     assert count[3] == 0
+
+
+@pytest.mark.parametrize("heads", [128, 8])
+def test_mosaic_state_scan_groups_partition_the_sequences(heads):
+    """The Mosaic state scan's blocks (chunk size 256): the leading positions of the windows
+    split the sorted sequences into consecutive groups that cover each once; a sequence of a
+    window's steps or more, and each sequence without chunks, is alone; a group of several
+    holds at most two windows' steps. With Bamba's 128 heads short sequences share blocks;
+    with 8 heads the batch is too small to fill the GPU and every sequence has its own."""
+    lengths = [300, 5, 395, 0, 128, 900, 1] + [40] * 40 + [9000, 0, 0]
+    p = make_problem(lengths, chunk_size=256)
+    md = p.metadata()
+    shapes = dataclasses.replace(ssd_triton.ScanShapes.of(p.x, p.B, md), heads=heads)
+    order, _, count = ssd_triton.sequence_chunks(shapes, md)
+    window, group_end = (np.asarray(a) for a in ssd_mosaic.state_scan_groups(shapes, order, count))
+    steps = np.asarray(count)[np.asarray(order)] * 2
+    window_steps = ssd_mosaic._WINDOW_STEPS
+    leads = [j for j in range(len(lengths)) if j == 0 or window[j - 1] != window[j]]
+    covered = [j for lead in leads for j in range(lead, group_end[lead])]
+    assert covered == list(range(len(lengths)))
+    for lead in leads:
+        members = range(lead, group_end[lead])
+        if len(members) > 1:
+            assert all(0 < steps[j] < window_steps for j in members), lead
+            assert steps[list(members)].sum() < 2 * window_steps, lead
+    alone = [j for j in range(len(lengths)) if steps[j] == 0 or steps[j] >= window_steps]
+    assert all(j in leads and group_end[j] == j + 1 for j in alone)
+    if heads == 128:
+        assert len(leads) < len(lengths) // 2
+    else:
+        assert leads == list(range(len(lengths)))
