@@ -779,6 +779,9 @@ def sequence_steps(cu, first, count, *, steps_per_chunk: int):
     def steps_of(c):
         return lax.div(cu[c + 1] - cu[c] + _STEP_ROWS - 1, _STEP_ROWS)
 
+    # A sequence without chunks may have first == max_chunks (after the last real chunk):
+    # its steps are 0 whatever the lookups give, but they must stay inside cu.
+    first = jnp.where(count > 0, first, jnp.minimum(first, cu.shape[0] - 2))
     last = first + jnp.maximum(count, 1) - 1
     head = steps_of(first)  # the first chunk's steps
     middle = jnp.maximum(count - 2, 0) * steps_per_chunk

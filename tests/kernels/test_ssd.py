@@ -802,6 +802,31 @@ def test_mosaic_state_scan_steps_cover_each_chunk_once():
     assert count[3] == 0
 
 
+def test_mosaic_state_scan_steps_stay_inside_the_chunk_table():
+    """A sequence without chunks after the last real chunk has ``first == max_chunks``: its
+    step count is 0 and no lookup of ``cu`` falls outside it (the kernel reads ``cu`` from
+    device memory, where nothing would catch it)."""
+
+    class CheckedTable:
+        def __init__(self, values):
+            self.values = np.asarray(values)
+            self.shape = self.values.shape
+
+        def __getitem__(self, i):
+            assert 0 <= int(i) < len(self.values), f"cu[{int(i)}] outside [0, {len(self.values)})"
+            return jnp.int32(self.values[int(i)])
+
+    cu = CheckedTable([0, 256, 300])  # two chunks, both real
+    num_steps, _ = ssd_mosaic.sequence_steps(cu, jnp.int32(2), jnp.int32(0), steps_per_chunk=2)
+    assert int(num_steps) == 0
+    num_steps, step = ssd_mosaic.sequence_steps(cu, jnp.int32(0), jnp.int32(2), steps_per_chunk=2)
+    assert [tuple(int(v) for v in step(jnp.int32(i))) for i in range(int(num_steps))] == [
+        (0, 0),
+        (0, 128),
+        (1, 0),
+    ]
+
+
 @pytest.mark.parametrize("heads", [128, 8])
 def test_mosaic_state_scan_groups_partition_the_sequences(heads):
     """The Mosaic state scan's blocks (chunk size 256): the leading positions of the windows
