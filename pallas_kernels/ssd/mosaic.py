@@ -818,13 +818,14 @@ def state_scan_groups(
     ``_WINDOW_STEPS``, or fewer (down to 1: no sharing) where the batch's steps over all
     head pairs would leave fewer than ``_FILL_BLOCKS`` blocks' worth of work per window."""
     count = count[order]
-    steps = count * (s.chunk_size // _STEP_ROWS)
+    steps_per_chunk = s.chunk_size // _STEP_ROWS
+    steps = count * steps_per_chunk
     end = jnp.cumsum(steps)
     start = end - steps
     head_pairs = s.heads // _CONSUMERS
     window_steps = jnp.clip(end[-1] * head_pairs // _FILL_BLOCKS, 1, _WINDOW_STEPS)
     # Past every window of the real sequences' steps (at most max_chunks of them).
-    alone = s.max_chunks * (s.chunk_size // _STEP_ROWS) + 1
+    alone = s.max_chunks * steps_per_chunk + 1
     window = jnp.where(count > 0, start // window_steps, alone + jnp.arange(s.num_seqs))
     window = window.astype(jnp.int32)
     return window, search_sorted(window, window + 1, side="left").astype(jnp.int32)
