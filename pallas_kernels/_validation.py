@@ -154,6 +154,25 @@ def check_state_cache(state_cache: jax.Array, heads: int, head_dim: int, state_d
     return state_cache.shape[0]
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def slot_ids_array(slot_ids: jax.Array | np.ndarray | Sequence[int]) -> jax.Array:
+    """``slot_ids`` as a JAX array, its host ids that int32 cannot hold clipped to int32's
+    range first: they stay outside every cache (padding to the kernels, rejected by
+    ``validate=True``), where ``jnp.asarray`` would wrap them onto real slots (``2**32`` to
+    slot 0) under JAX's default 32-bit integers. JAX arrays pass unchanged: a 64-bit one
+    (``jax_enable_x64``) is compared in its own dtype by ``checked_slots``."""
+    if isinstance(slot_ids, jax.Array):
+        return slot_ids
+    host = np.asarray(slot_ids)
+    if host.dtype == object:  # Python ints beyond 64 bits
+        raise ValueError(f"slot_ids must be an integer array, got {slot_ids!r}")
+    if np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize >= 4:
+        host = np.clip(host, max(_INT32.min, np.iinfo(host.dtype).min), _INT32.max)
+    return jnp.asarray(host)
+
+
 def check_slot_ids(slot_ids: jax.Array, rows: int, num_slots: int, letters: str) -> jax.Array:
     """The one place slot ids are checked: an integer ``slot_ids[rows]``, returned as int32
     with every id outside ``[0, num_slots)`` mapped to -1, so padding (``-1``) and bad data

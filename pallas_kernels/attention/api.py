@@ -274,9 +274,10 @@ def masked_tail_attention(
       out[T, Hq, D] in ``q``'s dtype; rows with no visible key, of padding sequences or
       past ``query_start_loc[-1]`` are 0.
     """
-    q, k_cache, v_cache, query_start_loc, kv_lens, slot_ids = (
-        jnp.asarray(a) for a in (q, k_cache, v_cache, query_start_loc, kv_lens, slot_ids)
+    q, k_cache, v_cache, query_start_loc, kv_lens = (
+        jnp.asarray(a) for a in (q, k_cache, v_cache, query_start_loc, kv_lens)
     )
+    slot_ids = checks.slot_ids_array(slot_ids)
     block_table = None if block_table is None else jnp.asarray(block_table)
     checks.check_floating("q", q)
     S, L, Hkv, D = _check_cache(k_cache, v_cache, paged=block_table is not None)
@@ -346,9 +347,10 @@ def write_kv(
     Returns:
       ``(k_cache, v_cache)`` updated.
     """
-    k_cache, v_cache, k, v, query_start_loc, kv_lens, slot_ids = (
-        jnp.asarray(a) for a in (k_cache, v_cache, k, v, query_start_loc, kv_lens, slot_ids)
+    k_cache, v_cache, k, v, query_start_loc, kv_lens = (
+        jnp.asarray(a) for a in (k_cache, v_cache, k, v, query_start_loc, kv_lens)
     )
+    slot_ids = checks.slot_ids_array(slot_ids)
     block_table = None if block_table is None else jnp.asarray(block_table)
     S, L, Hkv, D = _check_cache(k_cache, v_cache, paged=block_table is not None)
     if k.ndim != 3:

@@ -102,10 +102,10 @@ def causal_conv1d(
     Returns:
       ``(y[T, dim], new_conv_state_cache[S, K-1, dim])``, ``y`` in ``x``'s dtype.
     """
-    x, weight, query_start_loc, conv_state_cache, slot_ids, has_initial_state = (
-        jnp.asarray(a)
-        for a in (x, weight, query_start_loc, conv_state_cache, slot_ids, has_initial_state)
+    x, weight, query_start_loc, conv_state_cache, has_initial_state = (
+        jnp.asarray(a) for a in (x, weight, query_start_loc, conv_state_cache, has_initial_state)
     )
+    slot_ids = checks.slot_ids_array(slot_ids)
     bias = None if bias is None else jnp.asarray(bias)
     checks.check_floating("x", x)
     if x.ndim != 2:
@@ -169,9 +169,8 @@ def causal_conv1d_update(
     Returns:
       ``(y, new_conv_state_cache)``, ``y`` with ``x``'s shape and dtype.
     """
-    x, conv_state_cache, weight, slot_ids = (
-        jnp.asarray(a) for a in (x, conv_state_cache, weight, slot_ids)
-    )
+    x, conv_state_cache, weight = (jnp.asarray(a) for a in (x, conv_state_cache, weight))
+    slot_ids = checks.slot_ids_array(slot_ids)
     bias = None if bias is None else jnp.asarray(bias)
     checks.check_floating("x", x)
     if x.ndim not in (2, 3):

@@ -14,7 +14,15 @@ from pallas_kernels.mamba_decode import reference, triton
 
 MAMBA2_DECODE = Op(
     "mamba2_decode",
-    (Backend("triton", triton.mamba2_decode), Backend("xla", reference.mamba2_decode)),
+    (
+        Backend(
+            "triton",
+            triton.mamba2_decode,
+            config_type=triton.BlockSizes,
+            default_config=triton.default_block_sizes,
+        ),
+        Backend("xla", reference.mamba2_decode),
+    ),
 )
 
 
@@ -37,6 +45,7 @@ def mamba2_decode(
     norm_before_gate: bool = False,
     validate: bool = False,
     implementation: Implementation = "auto",
+    config: triton.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode token per row through a Mamba2 mixer, from in_proj's output to the input
     of out_proj: :func:`causal_conv1d_update` (SiLU) on the xBC columns,
@@ -65,14 +74,16 @@ def mamba2_decode(
       validate: check ``slot_ids`` on the host.
       implementation: "auto" | "xla" | "triton", or a sequence of backend names to take the
         first that serves the call (see ``pallas_kernels.backend``).
+      config: the triton backend's block sizes (``mamba_decode.triton.BlockSizes``: the
+        conv update's, the state update's and the norm's); None for their heuristics.
 
     Returns:
       ``(y[Bd, d_inner], new_conv_state_cache, new_ssm_state_cache)``, y in zxbcdt's dtype.
     """
-    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A, slot_ids = (
-        jnp.asarray(a)
-        for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A, slot_ids)
+    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A = (
+        jnp.asarray(a) for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A)
     )
+    slot_ids = checks.slot_ids_array(slot_ids)
     conv_bias, D, dt_bias, norm_weight = (
         None if a is None else jnp.asarray(a) for a in (conv_bias, D, dt_bias, norm_weight)
     )
@@ -143,4 +154,4 @@ def mamba2_decode(
             (lambda: (zxbcdt[:, :d_inner], conv_state_cache, ssm_state_cache)) if Bd == 0 else None
         ),
     )
-    return MAMBA2_DECODE.run(call, implementation)
+    return MAMBA2_DECODE.run(call, implementation, config)

@@ -11,11 +11,62 @@ five column slices XLA would otherwise copy into arrays of their own before the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from pallas_kernels.conv1d import triton as conv
 from pallas_kernels.norm import triton as norm
 from pallas_kernels.state_update import triton as state_update
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling of the decode step: each of its three kernels' own block sizes (their
+    fields are checked by those types)."""
+
+    conv: conv.BlockSizes = dataclasses.field(default_factory=conv.BlockSizes)
+    state_update: state_update.BlockSizes = dataclasses.field(
+        default_factory=state_update.BlockSizes
+    )
+    norm: norm.BlockSizes = dataclasses.field(default_factory=norm.BlockSizes)
+
+    def __post_init__(self):
+        for name, kind in (
+            ("conv", conv.BlockSizes),
+            ("state_update", state_update.BlockSizes),
+            ("norm", norm.BlockSizes),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ValueError(
+                    f"{name}={value!r} must be a {kind.__module__}.{kind.__qualname__}"
+                )
+
+
+def default_block_sizes(
+    zxbcdt: jax.Array,
+    conv_state_cache: jax.Array,
+    conv_weight: jax.Array,
+    conv_bias: jax.Array | None,
+    ssm_state_cache: jax.Array,
+    A: jax.Array,
+    *,
+    norm_weight: jax.Array | None,
+    norm_group_size: int,
+    **_,
+) -> BlockSizes:
+    """Each kernel's own heuristic for its part of the step (the state update's gated
+    tiling when it applies the z gate itself, i.e. without the norm)."""
+    del conv_state_cache, conv_bias, A
+    H, P, N = ssm_state_cache.shape[1:]
+    return BlockSizes(
+        conv=conv.default_update_block_sizes(conv_weight.shape[0]),
+        state_update=state_update.default_block_sizes(
+            P, N, rows=zxbcdt.shape[0], num_heads=H, gated=norm_weight is None
+        ),
+        norm=norm.default_block_sizes(norm_group_size),
+    )
 
 
 def mamba2_decode(
@@ -36,6 +87,7 @@ def mamba2_decode(
     norm_group_size: int,
     norm_eps: float,
     norm_before_gate: bool,
+    config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """See :func:`pallas_kernels.mamba2_decode`; arguments are already validated."""
@@ -49,7 +101,7 @@ def mamba2_decode(
         conv_bias,
         slot_ids=slot_ids,
         activation="silu",
-        config=conv.default_update_block_sizes(conv_dim),
+        config=config.conv,
         x_col0=d_inner,
         interpret=interpret,
     )
@@ -72,9 +124,7 @@ def mamba2_decode(
         dt_bias=dt_bias,
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
-        config=state_update.default_block_sizes(
-            P, N, rows=rows, num_heads=H, gated=gate_in_state_update
-        ),
+        config=config.state_update,
         interpret=interpret,
     )
     y = y.reshape(rows, d_inner)
@@ -86,7 +136,7 @@ def mamba2_decode(
             group_size=norm_group_size,
             eps=norm_eps,
             norm_before_gate=norm_before_gate,
-            config=norm.default_block_sizes(norm_group_size),
+            config=config.norm,
             interpret=interpret,
         )
     return y, conv_state_cache, ssm_state_cache

@@ -149,9 +149,10 @@ def ssd_scan(
         state_cache, has_initial_state = jnp.asarray(state_cache), jnp.asarray(has_initial_state)
         num_slots = checks.check_state_cache(state_cache, H, P, N)
         checks.check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
-        slots = checks.check_slot_ids(jnp.asarray(slot_ids), num_seqs, num_slots, "[B]")
+        slot_ids = checks.slot_ids_array(slot_ids)
+        slots = checks.check_slot_ids(slot_ids, num_seqs, num_slots, "[B]")
         if validate:
-            checks.validate_slot_ids(jnp.asarray(slot_ids), num_slots)
+            checks.validate_slot_ids(slot_ids, num_slots)
         initial_states = gather_states(state_cache, slots, has_initial_state)
         state_dtype = state_cache.dtype
     elif slot_ids is not None or has_initial_state is not None:

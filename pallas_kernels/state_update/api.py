@@ -81,9 +81,8 @@ def selective_state_update(
     Returns:
       ``(y[Bd, H, P], new_state_cache[S, H, P, N])``, ``y`` in ``x``'s dtype.
     """
-    state_cache, x, dt, A, B, C, slot_ids = (
-        jnp.asarray(a) for a in (state_cache, x, dt, A, B, C, slot_ids)
-    )
+    state_cache, x, dt, A, B, C = (jnp.asarray(a) for a in (state_cache, x, dt, A, B, C))
+    slot_ids = checks.slot_ids_array(slot_ids)
     D, z, dt_bias = (None if a is None else jnp.asarray(a) for a in (D, z, dt_bias))
     dt_limit = checks.check_ssm_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_limit=dt_limit, rows="Bd"

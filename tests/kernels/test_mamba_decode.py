@@ -250,3 +250,31 @@ def test_gpu_real_sizes(rows, groups, norm):
         arrays[cache] = poison_slots(arrays[cache], slots)
     out = run("triton", arrays, slots, **options)
     check(arrays, slots, out, groups=groups, rtol=BF16_TOL, **options)
+
+
+def test_config_sets_each_kernels_tiling():
+    """``config=`` (DESIGN.md §8) reaches the three kernels: tilings other than their
+    defaults (several heads and half the head dim a state-update program, 2-row norm
+    programs, 8-channel conv blocks) give the oracles' results and show in the kernels'
+    names; a config of another type, or with a field of another kernel's type, is refused."""
+    from pallas_kernels.conv1d import triton as conv_triton
+    from pallas_kernels.mamba_decode import triton as mamba_decode_triton
+    from pallas_kernels.norm import triton as norm_triton
+    from pallas_kernels.state_update import triton as state_update_triton
+
+    arrays, options = make_step(3, groups=2, seed=11)
+    slots = [4, -1, 1]
+    config = mamba_decode_triton.BlockSizes(
+        conv=conv_triton.BlockSizes(block_t=4, unroll_t=4, block_d=8, num_warps=1),
+        state_update=state_update_triton.BlockSizes(block_p=4, block_h=2, num_warps=1),
+        norm=norm_triton.BlockSizes(block_rows=2, num_warps=1),
+    )
+    out = run("triton", arrays, slots, config=config, **options)
+    check(arrays, slots, out, groups=2, rtol=F32_TOL, **options)
+    jaxpr = str(jax.make_jaxpr(lambda a: run("triton", a, slots, config=config, **options))(arrays))
+    for kernel in ("causal_conv1d_update_k4_bd8", "selective_state_update_bp4_bh2", "rows2"):
+        assert kernel in jaxpr, f"{kernel} not among the step's kernels"
+    with pytest.raises(ValueError, match="config of type"):
+        run("triton", arrays, slots, config=state_update_triton.BlockSizes(), **options)
+    with pytest.raises(ValueError, match="state_update="):
+        mamba_decode_triton.BlockSizes(state_update=norm_triton.BlockSizes())

@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -616,6 +617,93 @@ def test_every_op_and_implementation_runs_under_x64():
         timeout=600,
     )
     assert done.returncode == 0, f"under x64:\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------ slot ids beyond int32
+
+# Host ids int32 cannot hold; jnp.asarray under 32-bit JAX wraps them onto slots 0, 1, 0, 1.
+WIDE_SLOT_IDS = (2**32, 2**32 + 1, -(2**32), 2**33 + 1)
+
+
+def _ops_taking_slot_ids(rng: np.random.Generator) -> dict[str, Callable]:
+    """``name -> fn(slot_ids[2], validate) -> (outputs and caches)``, every op with slot ids
+    on tiny inputs (``xla``: the ids are mapped in the api, before any backend), slots 0 and
+    1 of each cache NaN: only slot 2 is named."""
+    H, P, N, T, K, dim = 2, 4, 4, 5, 4, 8
+
+    def f32(*shape):
+        return _normal(rng, *shape)
+
+    def caches(*shape):
+        cache = f32(*shape)
+        cache[:2] = np.nan
+        return cache
+
+    qsl, dt_limit = np.array([0, 3, T], np.int32), (0.0, math.inf)
+    x, dt, B, C = f32(T, H, P), f32(T, H), f32(T, 1, N), f32(T, 1, N)
+    A = -np.exp(f32(H))
+    ssm_cache, conv_cache = caches(3, H, P, N), caches(3, K - 1, dim)
+    k_cache, v_cache = caches(3, 8, 1, 16), caches(3, 8, 1, 16)
+    conv_dim = H * P + 2 * N
+    mixer_conv_cache, mixer_weight = caches(3, K - 1, conv_dim), f32(conv_dim, K)
+    conv_x, conv_weight = f32(T, dim), f32(dim, K)
+    metadata = pk.chunk_metadata(
+        qsl, np.zeros(2, np.int32), chunk_size=4, max_chunks=pk.max_chunks_for(T, 2, 4)
+    )
+    attention = dict(query_start_loc=np.array([0, 1, 2], np.int32), kv_lens=np.array([4, 5]))
+    first = dict(has_initial_state=np.array([True, True]), query_start_loc=qsl)
+    return {
+        "selective_state_update": lambda slots, validate: pk.selective_state_update(
+            ssm_cache, x[:2], dt[:2], A, B[:2], C[:2], slot_ids=slots, validate=validate,
+            implementation="xla",
+        ),
+        "causal_conv1d": lambda slots, validate: pk.causal_conv1d(
+            conv_x, conv_weight, None, conv_state_cache=conv_cache,
+            slot_ids=slots, validate=validate, implementation="xla", **first,
+        ),
+        "causal_conv1d_update": lambda slots, validate: pk.causal_conv1d_update(
+            conv_x[:2], conv_cache, conv_weight, slot_ids=slots, validate=validate,
+            implementation="xla",
+        ),
+        "masked_tail_attention": lambda slots, validate: pk.masked_tail_attention(
+            np.ones((2, 2, 16), np.float32), k_cache, v_cache, slot_ids=slots,
+            validate=validate, implementation="xla", **attention,
+        ),
+        "write_kv": lambda slots, validate: pk.write_kv(
+            k_cache, v_cache, np.ones((2, 1, 16), np.float32), np.ones((2, 1, 16), np.float32),
+            slot_ids=slots, validate=validate, implementation="xla", **attention,
+        ),
+        "ssd_scan": lambda slots, validate: pk.ssd_scan(
+            x, dt, A, B, C, metadata=metadata, chunk_size=4, state_cache=ssm_cache,
+            slot_ids=slots, has_initial_state=first["has_initial_state"], validate=validate,
+            implementation="xla",
+        ),
+        "mamba2_decode": lambda slots, validate: pk.mamba2_decode(
+            np.ones((2, 2 * H * P + 2 * N + H), np.float32), mixer_conv_cache, mixer_weight,
+            None, ssm_cache, A, slot_ids=slots, dt_limit=dt_limit, validate=validate,
+            implementation="xla",
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("op", sorted(_ops_taking_slot_ids(np.random.default_rng(0))))
+def test_slot_ids_beyond_int32_are_padding(op):
+    """Slot ids that int32 cannot hold, given as NumPy's default int64, are padding like -1
+    (DESIGN.md §8): every output and cache bit-identical to the run with -1 (slots 0 and 1,
+    where a wrapped id lands, hold NaN), and ``validate=True`` refuses them. Before, the api
+    converted them with ``jnp.asarray``, which wrapped 2**32 onto slot 0 and read and wrote
+    it."""
+    fn = _ops_taking_slot_ids(np.random.default_rng(0))[op]
+    padded = [np.asarray(a) for a in jax.tree.leaves(fn(np.array([2, -1]), False))]
+    for bad in WIDE_SLOT_IDS:
+        ids = np.array([2, bad], np.int64)
+        got = [np.asarray(a) for a in jax.tree.leaves(fn(ids, False))]
+        for i, (a, e) in enumerate(zip(got, padded, strict=True)):
+            assert_bit_identical(a, e, f"{op} output {i} with slot id {bad}")
+        with pytest.raises(ValueError, match="slot_ids must be"):
+            fn(ids, True)
+    with pytest.raises(ValueError, match="slot_ids must be"):  # beyond 64 bits
+        fn([2, 2**70], False)
 
 
 # --------------------------------------------------------------------------- empty batches
