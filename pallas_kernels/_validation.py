@@ -7,6 +7,7 @@ arrays and run on the host; jitted kernels stay in bounds whatever the data.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 
@@ -30,6 +31,16 @@ def check_int(name: str, value: object, *, low: int | None = None, what: str | N
         bound = low if what is None else f"{what}={low}"
         raise ValueError(f"{name}={number} must be >= {bound}")
     return number
+
+
+def check_int_fields(config: object) -> None:
+    """Every field of a block-size dataclass is an int, or None where the type allows it:
+    ``ValueError`` naming the field otherwise (before the type's own range checks would
+    compare a string or a float)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is not None:
+            check_int(f"{type(config).__name__}.{field.name}", value)
 
 
 def check_shape(name: str, array: jax.Array, expected: Sequence[int | None], letters: str) -> None:
@@ -119,6 +130,9 @@ def check_ssm_inputs(
     """
     for name, a in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         check_floating(name, a)
+    for name, a in (("D", D), ("z", z), ("dt_bias", dt_bias)):
+        if a is not None:
+            check_floating(name, a)
     if x.ndim != 3:
         raise ValueError(f"x must have shape [{rows}, H, P], got {x.shape}")
     R, H, P = x.shape

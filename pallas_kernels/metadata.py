@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import search_sorted
-from pallas_kernels._validation import check_int
+from pallas_kernels._validation import check_int, check_integer
 
 
 @jax.tree_util.register_dataclass
@@ -100,10 +100,11 @@ def chunk_metadata(
       ChunkMetadata with ``max_chunks`` chunk slots. Chunks past ``max_chunks`` are dropped;
       batch builders size ``max_chunks`` so that never happens.
     """
-    if chunk_size < 1:
-        raise ValueError(f"{chunk_size=} must be >= 1")
-    if max_chunks < 1:
-        raise ValueError(f"{max_chunks=} must be >= 1")
+    chunk_size = check_int("chunk_size", chunk_size, low=1)
+    max_chunks = check_int("max_chunks", max_chunks, low=1)
+    query_start_loc, num_computed_tokens = map(jnp.asarray, (query_start_loc, num_computed_tokens))
+    check_integer("query_start_loc", query_start_loc)
+    check_integer("num_computed_tokens", num_computed_tokens)
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
         raise ValueError(
             f"query_start_loc must be int32[B + 1] with B >= 1, got {query_start_loc.shape}"

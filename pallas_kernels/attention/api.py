@@ -123,6 +123,7 @@ def _check_cache(
     checks.check_floating("k_cache", k_cache)
     if k_cache.ndim != 4:
         raise ValueError(f"k_cache must have shape {letters}, got {k_cache.shape}")
+    checks.check_floating("v_cache", v_cache)
     checks.check_shape("v_cache", v_cache, k_cache.shape, letters)
     return k_cache.shape
 
@@ -287,8 +288,8 @@ def masked_tail_attention(
     if Hq % Hkv:
         raise ValueError(f"num_q_heads={Hq} must be divisible by num_kv_heads={Hkv}")
     checked_slot_ids, block_table = _check_batch(query_start_loc, kv_lens, slot_ids, block_table, S)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be None or >= 1")
+    if sliding_window is not None:
+        sliding_window = checks.check_int("sliding_window", sliding_window, low=1)
     if validate:
         _validate_batch(
             query_start_loc, kv_lens, slot_ids, block_table, num_tokens=T, num_slots=S, cache_len=L
@@ -356,8 +357,9 @@ def write_kv(
     if k.ndim != 3:
         raise ValueError(f"k must have shape [T, Hkv, D], got {k.shape}")
     T = k.shape[0]
-    checks.check_shape("k", k, (T, Hkv, D), "[T, Hkv, D]")
-    checks.check_shape("v", v, (T, Hkv, D), "[T, Hkv, D]")
+    for name, a in (("k", k), ("v", v)):
+        checks.check_floating(name, a)
+        checks.check_shape(name, a, (T, Hkv, D), "[T, Hkv, D]")
     checked_slot_ids, block_table = _check_batch(query_start_loc, kv_lens, slot_ids, block_table, S)
     if validate:
         _validate_batch(

@@ -62,6 +62,7 @@ from pallas_kernels._mosaic import (
     store_rows,
     swizzled_tiles,
 )
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.attention._layout import (
     band_operand,
     is_decode_shaped,
@@ -99,6 +100,7 @@ class BlockSizes:
     head_group: int | None = None
 
     def __post_init__(self):
+        check_int_fields(self)
         if self.block_q != 64:
             raise ValueError(f"block_q={self.block_q} must be 64 (one wgmma row block)")
         if self.block_k % 64 or self.block_k < 64:

@@ -87,6 +87,7 @@ from pallas_kernels._pallas import (
     next_power_of_2,
     static_index,
 )
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.attention._layout import (
     backward_scale_operand,
     band_operand,
@@ -152,6 +153,7 @@ class BlockSizes:
     decode_num_stages: int = 3  # software-pipelining depth of a decode split's loop
 
     def __post_init__(self):
+        check_int_fields(self)
         if self.block_q < 1 or self.block_q & (self.block_q - 1):
             raise ValueError(f"block_q={self.block_q} must be a power of two")
         for name in ("block_k", "decode_block_k"):
@@ -684,6 +686,7 @@ class BackwardBlockSizes:
     dkv_num_stages: int = 3
 
     def __post_init__(self):
+        check_int_fields(self)
         for name in ("dq_block_q", "dkv_block_q"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):

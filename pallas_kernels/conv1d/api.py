@@ -53,8 +53,10 @@ def check_weights_and_cache(
     if weight.ndim != 2 or weight.shape[0] != dim or weight.shape[1] < 2:
         raise ValueError(f"weight must have shape [dim, K] = ({dim}, K>=2), got {weight.shape}")
     if bias is not None:
+        checks.check_floating("bias", bias)
         checks.check_shape("bias", bias, (dim,), "[dim]")
     K = weight.shape[1]
+    checks.check_floating("conv_state_cache", conv_state_cache)
     if conv_state_cache.ndim != 3:
         raise ValueError(
             f"conv_state_cache must have shape [S, K-1, dim], got {conv_state_cache.shape}"

@@ -49,6 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import LOG2E, checked_slots
 from pallas_kernels._pallas import block_dim, compiler_params, for_each_tail_block, static_index
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.backend import pallas_dtypes
 from pallas_kernels.metadata import sequence_block_table
 
@@ -66,6 +67,7 @@ class BlockSizes:
     num_warps: int = 2  # warps per program
 
     def __post_init__(self):
+        check_int_fields(self)
         for name in ("block_t", "unroll_t", "block_d"):
             value = getattr(self, name)
             if value < 4 or value & (value - 1):

@@ -62,6 +62,7 @@ from pallas_kernels._mosaic import (
     TMA_ROWS,
     swizzled_tiles,
 )
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.backend import device_num_sms
 
 # Consumer warpgroups per thread block; each owns block_n of a unit's columns.
@@ -103,6 +104,7 @@ class BlockSizes:
     num_stages: int = 4  # slots in the TMA ring
 
     def __post_init__(self):
+        check_int_fields(self)
         if self.block_m % _WGMMA_ROWS or self.block_m < _WGMMA_ROWS:
             raise ValueError(f"block_m={self.block_m} must be a multiple of {_WGMMA_ROWS}")
         if self.block_n % _SWIZZLE_ELEMS or not _SWIZZLE_ELEMS <= self.block_n <= 256:

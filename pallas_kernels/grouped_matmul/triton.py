@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import search_sorted
 from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, compiler_params, dot, masked_load
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.backend import pallas_dtypes
 
 # Rows per expert from which a call is compute-bound (prefill): 128-row tiles keep the
@@ -67,6 +68,7 @@ class BlockSizes:
     narrow_m: int | None = None  # rows of the dot of tiles with at most this many rows
 
     def __post_init__(self):
+        check_int_fields(self)
         for name in ("block_m", "block_n", "block_k", "narrow_m"):
             value = getattr(self, name)
             if value is None:

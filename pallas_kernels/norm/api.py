@@ -61,9 +61,12 @@ def gated_rms_norm(
         raise ValueError(f"x must have shape [T, Dm], got {x.shape}")
     T, Dm = x.shape
     if z is not None:
+        checks.check_floating("z", z)
         checks.check_shape("z", z, (T, Dm), "[T, Dm]")
+    checks.check_floating("weight", weight)
     checks.check_shape("weight", weight, (Dm,), "[Dm]")
-    if group_size < 1 or Dm % group_size:
+    group_size = checks.check_int("group_size", group_size, low=1)
+    if Dm % group_size:
         raise ValueError(f"{group_size=} must be >= 1 and divide Dm={Dm}")
     if not eps >= 0:
         raise ValueError(f"{eps=} must be >= 0")

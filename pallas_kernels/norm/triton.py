@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import silu, silu_grad
 from pallas_kernels._pallas import block_dim, compiler_params
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.backend import device_num_sms, pallas_dtypes
 
 # Elements of one program's tile: 32 fp32 registers per thread at 8 warps.
@@ -38,6 +39,7 @@ class BlockSizes:
     num_warps: int = 8  # warps per program
 
     def __post_init__(self):
+        check_int_fields(self)
         if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
             raise ValueError(f"block_rows={self.block_rows} must be a power of two")
         if self.num_warps < 1:

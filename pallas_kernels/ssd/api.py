@@ -135,8 +135,11 @@ def ssd_scan(
     num_seqs = metadata.last_chunk_indices.shape[0]
     _check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
     if initial_states is not None:
+        checks.check_floating("initial_states", initial_states)
         checks.check_shape("initial_states", initial_states, (num_seqs, H, P, N), "[B, H, P, N]")
     state_dtype = jnp.dtype(state_dtype)
+    if not jnp.issubdtype(state_dtype, jnp.floating):
+        raise ValueError(f"state_dtype={state_dtype} must be a floating-point dtype")
     slots = None
     if state_cache is not None:
         if initial_states is not None or return_intermediate_states:

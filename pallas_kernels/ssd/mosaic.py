@@ -72,6 +72,7 @@ from pallas_kernels._mosaic import (
     store_rows,
     swizzled_tiles,
 )
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.ssd import triton
 
 _CONSUMERS: Final = 2
@@ -98,6 +99,7 @@ class BlockSizes:
     num_stages: int = 2  # slots of the per-head TMA ring
 
     def __post_init__(self):
+        check_int_fields(self)
         if self.heads_per_block is not None and self.heads_per_block < 1:
             raise ValueError(f"heads_per_block={self.heads_per_block} must be >= 1")
         if self.num_stages < 1:

@@ -50,6 +50,7 @@ from pallas_kernels._pallas import (
     for_each_tail_block,
     static_index,
 )
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import triton_backward
 
@@ -68,6 +69,7 @@ class BlockSizes:
     num_stages: int = 2  # software-pipelining depth of the causal and state-scan loops
 
     def __post_init__(self):
+        check_int_fields(self)
         for name in ("block_m", "block_k", "block_t"):
             value = getattr(self, name)
             if value < MIN_DOT_DIM or value & (value - 1):

@@ -63,6 +63,7 @@ from pallas_kernels._pallas import (
     for_each_tail_block,
     static_index,
 )
+from pallas_kernels._validation import check_int_fields
 from pallas_kernels.metadata import ChunkMetadata
 
 # A module import: ssd/triton.py imports this module for its custom_vjp.
@@ -96,6 +97,7 @@ class BackwardBlockSizes:
     max_heads_per_program: int = 16
 
     def __post_init__(self):
+        check_int_fields(self)
         for name in ("block_m", "block_k", "block_t", "dbc_block_m", "dbc_block_k"):
             value = getattr(self, name)
             if value is None and name.startswith("dbc_"):

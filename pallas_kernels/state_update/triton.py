@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import checked_slots, decay_factor, process_dt, silu
 from pallas_kernels._pallas import block_dim, compiler_params, masked_load, static_index
+from pallas_kernels._validation import check_int_fields
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,7 @@ class BlockSizes:
     num_stages: int = 1  # software-pipelining depth of the loop over heads
 
     def __post_init__(self):
+        check_int_fields(self)
         for name in ("block_p", "block_h"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):

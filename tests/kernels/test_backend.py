@@ -418,3 +418,52 @@ def test_a_config_of_another_op_is_refused():
     args, kwargs = _norm_args()
     with pytest.raises(ValueError, match="config of type"):
         pk.gated_rms_norm(*args, **kwargs, implementation="triton", config=ssd_triton.BlockSizes())
+
+
+def _int_block_size_types() -> list[type]:
+    """Every block-size dataclass of every op whose fields are ints (or None)."""
+    from pallas_kernels.attention import mosaic as attention_mosaic
+    from pallas_kernels.attention import triton as attention_triton
+    from pallas_kernels.conv1d import triton as conv_triton
+    from pallas_kernels.grouped_matmul import mosaic as grouped_mosaic
+    from pallas_kernels.grouped_matmul import triton as grouped_triton
+    from pallas_kernels.ssd import mosaic as ssd_mosaic
+    from pallas_kernels.ssd import triton_backward as ssd_backward
+    from pallas_kernels.state_update import triton as state_update_triton
+
+    return [
+        ssd_triton.BlockSizes, ssd_backward.BackwardBlockSizes, ssd_mosaic.BlockSizes,
+        conv_triton.BlockSizes, state_update_triton.BlockSizes, norm_triton.BlockSizes,
+        attention_triton.BlockSizes, attention_triton.BackwardBlockSizes,
+        attention_mosaic.BlockSizes, grouped_triton.BlockSizes, grouped_mosaic.BlockSizes,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("config_type", _int_block_size_types(), ids=lambda t: t.__module__)
+def test_block_sizes_refuse_fields_that_are_not_ints(config_type):
+    """A block size given as a string, a float or a bool raises ``ValueError`` naming the
+    field (before, the range checks raised ``TypeError`` comparing it)."""
+    defaults = config_type()
+    field = next(f.name for f in dataclasses.fields(defaults) if getattr(defaults, f.name))
+    default = getattr(defaults, field)
+    assert isinstance(default, int) and config_type(**{field: np.int64(default)})
+    for bad in (str(default), float(default), True):
+        with pytest.raises(ValueError, match=f"{field}=.* must be an int"):
+            config_type(**{field: bad})
+
+
+@cpu_only
+def test_static_int_arguments_refuse_floats():
+    """``sliding_window`` and ``group_size`` are whole numbers: 2.5 was truncated to 2 and
+    4.0 accepted; ``chunk_metadata`` refuses float token counts and takes lists."""
+    args, kwargs = _norm_args()
+    with pytest.raises(ValueError, match="group_size=4.0 must be an int"):
+        pk.gated_rms_norm(*args, **(kwargs | dict(group_size=4.0)))
+    q, k = np.ones((2, 2, 16), np.float32), np.ones((3, 8, 1, 16), np.float32)
+    batch = dict(query_start_loc=[0, 1, 2], kv_lens=[4, 5], slot_ids=[0, 2])
+    with pytest.raises(ValueError, match="sliding_window=2.5 must be an int"):
+        pk.masked_tail_attention(q, k, k, sliding_window=2.5, **batch)
+    with pytest.raises(ValueError, match="query_start_loc must be an integer array"):
+        pk.chunk_metadata(np.array([0.0, 5.5]), np.array([0]), chunk_size=4, max_chunks=4)
+    metadata = pk.chunk_metadata([0, 5], [3], chunk_size=4, max_chunks=4)
+    assert metadata.cu_chunk_seqlens.tolist()[:3] == [0, 1, 5]

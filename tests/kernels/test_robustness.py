@@ -706,6 +706,65 @@ def test_slot_ids_beyond_int32_are_padding(op):
         fn([2, 2**70], False)
 
 
+def _integer_float_arguments() -> dict[str, Callable]:
+    """``"op: argument" -> call`` with that float argument given as int32, the rest valid."""
+    rng = np.random.default_rng(1)
+
+    def f32(*shape):
+        return _normal(rng, *shape)
+
+    def i32(*shape):
+        return np.ones(shape, np.int32)
+
+    S, K, dim, H, P, N = 4, 4, 8, 2, 4, 8
+    qsl, slots = np.array([0, 5, 7, 10], np.int32), np.array([0, 1, -1], np.int32)
+    kv = dict(query_start_loc=qsl, kv_lens=np.array([7, 4, 9], np.int32), slot_ids=slots)
+    kc = f32(S, 16, 1, 8)
+    conv = dict(query_start_loc=qsl, slot_ids=slots, has_initial_state=np.ones(3, bool))
+    metadata = pk.chunk_metadata(
+        qsl, np.array([0, 3, 2], np.int32), chunk_size=4, max_chunks=pk.max_chunks_for(10, 3, 4)
+    )
+    ssd = (f32(10, H, P), f32(10, H), -np.ones(H, np.float32), f32(10, 1, N), f32(10, 1, N))
+    ssu = (f32(S, H, P, N), f32(3, H, P), f32(3, H), -np.ones(H, np.float32), f32(3, 1, N))
+    ssu += (f32(3, 1, N),)
+    return {
+        "causal_conv1d: conv_state_cache": lambda: pk.causal_conv1d(
+            f32(10, dim), f32(dim, K), conv_state_cache=i32(S, K - 1, dim), **conv
+        ),
+        "causal_conv1d: bias": lambda: pk.causal_conv1d(
+            f32(10, dim), f32(dim, K), i32(dim), conv_state_cache=f32(S, K - 1, dim), **conv
+        ),
+        "masked_tail_attention: v_cache": lambda: pk.masked_tail_attention(
+            f32(10, 2, 8), kc, i32(*kc.shape), **kv
+        ),
+        "write_kv: k": lambda: pk.write_kv(kc, kc, i32(10, 1, 8), f32(10, 1, 8), **kv),
+        "gated_rms_norm: weight": lambda: pk.gated_rms_norm(f32(5, 8), None, i32(8), group_size=4),
+        "gated_rms_norm: z": lambda: pk.gated_rms_norm(f32(5, 8), i32(5, 8), f32(8), group_size=4),
+        "selective_state_update: D": lambda: pk.selective_state_update(
+            *ssu, slot_ids=slots, D=i32(H)
+        ),
+        "ssd_scan: dt_bias": lambda: pk.ssd_scan(
+            *ssd, metadata=metadata, chunk_size=4, dt_bias=i32(H)
+        ),
+        "ssd_scan: initial_states": lambda: pk.ssd_scan(
+            *ssd, metadata=metadata, chunk_size=4, initial_states=i32(3, H, P, N)
+        ),
+        "ssd_scan: state_dtype": lambda: pk.ssd_scan(
+            *ssd, metadata=metadata, chunk_size=4, state_dtype=jnp.int32
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_integer_float_arguments()))
+def test_integer_arrays_for_float_arguments_are_refused(case):
+    """A float argument given as an integer array raises ``ValueError`` naming it (DESIGN.md
+    §5), at trace time. Before, these ran: an int32 conv state or v cache was read as is,
+    and ``state_dtype=int32`` truncated the states."""
+    argument = case.split(": ")[1]
+    with pytest.raises(ValueError, match=f"{argument}.* must be a floating-point"):
+        _integer_float_arguments()[case]()
+
+
 # --------------------------------------------------------------------------- empty batches
 
 
