@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_models.batch import ForwardBatch
@@ -94,14 +94,23 @@ def dp_size(mesh: Mesh | None) -> int:
 
 
 def with_tp_axis(mesh: Mesh | None) -> Mesh | None:
-    """``mesh`` with a ``"tp"`` axis of size 1 appended when it has none (a ``"dp"``-only
-    mesh), so that every spec naming ``"tp"`` is valid on it; other meshes unchanged."""
+    """``mesh`` as the model places itself on: a ``"tp"`` axis of size 1 appended when it
+    has none (a ``"dp"``-only mesh), so that every spec naming ``"tp"`` is valid on it, and
+    every axis ``Auto``. The model shards through ``shard_map`` and sharding constraints,
+    which take ``Auto`` axes; ``jax.make_mesh`` makes ``Explicit`` ones by default, whose
+    sharding-in-types rules the layers' collectives are not written to (a mesh of the same
+    devices with ``Auto`` axes computes the same). Meshes already so are returned as they
+    are."""
     if mesh is None:
         return None
     _check_mesh(mesh)
-    if TP in mesh.axis_names:
+    auto = all(kind == AxisType.Auto for kind in mesh.axis_types)
+    if TP in mesh.axis_names and auto:
         return mesh
-    return Mesh(mesh.devices[..., None], (*mesh.axis_names, TP))
+    devices, names = mesh.devices, mesh.axis_names
+    if TP not in names:
+        devices, names = devices[..., None], (*names, TP)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def psum_tp(x: PyTree) -> PyTree:

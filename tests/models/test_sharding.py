@@ -107,6 +107,16 @@ cfg = HybridConfig.tiny()
 want = forward(HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(3)), ids % cfg.vocab_size)
 model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(3), mesh=mesh[2])
 out["logits"]["tiny_init@2"] = rel(want, model(ids % cfg.vocab_size))
+# jax.make_mesh gives Explicit axes by default: the model takes the same devices with Auto
+# axes (before, creating it, and the forward of a model loaded on it, raised).
+explicit = jax.make_mesh(
+    (2,), ("tp",), devices=devices[:2], axis_types=(jax.sharding.AxisType.Explicit,)
+)
+out["logits"]["tiny_init@2_explicit_mesh"] = rel(
+    want, HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(3), mesh=explicit)(ids % cfg.vocab_size)
+)
+loaded = load_hf_checkpoint("tests/fixtures/bamba", implementation="xla", mesh=explicit)
+out["logits"]["bamba@2_explicit_mesh"] = rel(bamba_logits, loaded(ids))
 mixer = model.layers[0].mixer
 out["specs"] = {
     name: [str(a) for a in param.sharding.spec] + ["None"] * (param.ndim - len(param.sharding.spec))
@@ -295,7 +305,12 @@ def results():
 
 def test_sharded_logits_equal_single_device(results):
     expected = {f"{n}@{tp}" for n, tps in _LOGIT_CASES.items() for tp in tps}
-    expected |= {"tiny_init@2", "bamba@dp2xtp2"}
+    expected |= {
+        "tiny_init@2",
+        "bamba@dp2xtp2",
+        "tiny_init@2_explicit_mesh",
+        "bamba@2_explicit_mesh",
+    }
     assert set(results["logits"]) == expected
     for case, error in results["logits"].items():
         assert error <= 1e-5, f"{case}: relative error {error}"
@@ -434,6 +449,15 @@ def test_dp_meshes_and_specs():
     dp_only = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
     assert (tp_size(dp_only), dp_size(dp_only)) == (1, 1)
     assert with_tp_axis(dp_only).axis_names == ("dp", "tp")
+    # jax.make_mesh's Explicit axes become Auto ones on the same devices, "tp" added or not.
+    explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    for names in (("tp",), ("dp",)):
+        mesh = jax.make_mesh((1,), names, devices=jax.devices()[:1], axis_types=(explicit,))
+        placed = with_tp_axis(mesh)
+        assert placed.axis_types == (auto,) * len(placed.axis_names)
+        assert placed.axis_names[: len(names)] == names
+        assert placed.devices.ravel().tolist() == mesh.devices.ravel().tolist()
+    assert with_tp_axis(mesh := jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))) is mesh
     # The loader accepts it as the model does (the specs name "tp": one of size 1).
     loaded = load_hf_checkpoint(ROOT / "tests/fixtures/bamba", mesh=dp_only)
     assert loaded.mesh.axis_names == ("dp", "tp")
