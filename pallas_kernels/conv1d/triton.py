@@ -26,9 +26,12 @@ pre-activation ``a_t`` from the sliding window and ``da_t = dy_t · act'(a_t)``.
 rows past its block (to the sequence's end), keeps the last ``K-1`` ``da`` in registers
 and writes ``dx_{t-(K-1)}`` at row ``t``. ``dweight`` and ``dbias`` are per-program
 partial sums over the block's own rows (each row in exactly one block), summed over
-programs in ``jnp``; a sequence's history columns (the cached state) enter ``dweight``
-but are not differentiated. The cotangent of the new conv state flows to the inputs it
-copied (the sequence's last ``K-1`` tokens).
+programs in ``jnp``; a sequence's history columns (the cached state) enter ``dweight``.
+The cotangent of the new conv state flows to the inputs it copied (the sequence's last
+``K-1`` tokens). The cached state's own cotangent (``_state_cotangent``) is small ``jnp``
+glue on ``[B, K-1, dim]``: each sequence's first ``K-1`` rows' pre-activations recomputed,
+their history taps, the columns a sequence shorter than ``K-1`` keeps, and the new
+state's cotangent passed through the lines no sequence writes.
 
 x is read once from memory, y written once; fp32 accumulation. At 4 channels per thread
 the prefill kernel is bound by issue slots as much as by bytes (Nsight Compute on an H200:
@@ -47,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import LOG2E, checked_slots
+from pallas_kernels._common import LOG2E, checked_slots, slot_scatter_index
 from pallas_kernels._pallas import block_dim, compiler_params, for_each_tail_block, static_index
 from pallas_kernels._validation import check_int_fields
 from pallas_kernels.backend import pallas_dtypes
@@ -400,7 +403,7 @@ def _prefill_backward_kernel(
         if bias_ref is not None:
             bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
         # Rows of the new conv state: [seq_end - (K-1), seq_end) (only those at or after
-        # seq_start; earlier state columns came from the old state, not differentiated).
+        # seq_start; earlier state columns came from the old state: _state_cotangent's).
         state_row0 = seq_end - (width - 1)
 
         def step(n, carry):
@@ -494,8 +497,9 @@ def prefill_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Pallas backward kernel of :func:`causal_conv1d`: cotangents ``dy[T, dim]`` of y and
     ``dstate[S, K-1, dim]`` of the new conv state cache -> ``(dx[T, dim], dweight[dim, K],
-    dbias[dim] or None)``, each in its input's dtype. The conv state read is not
-    differentiated; rows of padding sequences and past ``query_start_loc[-1]`` get 0."""
+    dbias[dim] or None)``, each in its input's dtype (the cached state's cotangent is
+    :func:`_state_cotangent`'s); rows of padding sequences and past ``query_start_loc[-1]``
+    get 0."""
     num_tokens, dim = x.shape
     width = weight.shape[1]
     num_seqs = slot_ids.shape[0]
@@ -541,6 +545,81 @@ def prefill_backward(
     return dx, dweight, dbias
 
 
+def _state_cotangent(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    dy: jax.Array,
+    dstate: jax.Array,
+    *,
+    query_start_loc: jax.Array,
+    conv_state_cache: jax.Array,
+    slot_ids: jax.Array,
+    has_initial_state: jax.Array,
+    activation: str | None,
+) -> jax.Array:
+    """Cotangent of the conv state cache read by :func:`causal_conv1d`: ``dstate`` where no
+    sequence writes, nothing else there (a written line's old value reaches only what
+    reads it); plus, in the slot of each sequence that starts from its state, what its
+    ``K-1`` history columns feed: its first ``K-1`` outputs (the pre-activations
+    recomputed for those ``B (K-1)`` rows only) and, for a sequence shorter than ``K-1``,
+    the columns its new state keeps. Small ``[B, K-1, dim]`` arrays in fp32."""
+    f32 = jnp.float32
+    num_tokens = x.shape[0]
+    num_slots, hist, _ = conv_state_cache.shape  # hist = K - 1
+    width = hist + 1
+    qsl = query_start_loc
+    seq_len = qsl[1:] - qsl[:-1]
+    safe_slot = jnp.maximum(slot_ids, 0)
+    history = conv_state_cache[safe_slot].astype(f32)  # [B, K-1, dim]
+    reads = (has_initial_state != 0) & (slot_ids >= 0)
+    w = weight.astype(f32)
+
+    # Each sequence's first K-1 tokens (local position l) read history column K-1+l-s at
+    # tap s > l.
+    local = jnp.arange(hist)
+    token = qsl[:-1, None] + local[None, :]  # [B, K-1]
+    live = (local[None, :] < seq_len[:, None]) & reads[:, None]
+    xf = x.astype(f32)[jnp.clip(token, 0, max(num_tokens - 1, 0))]  # [B, K-1, dim]
+    pre = xf * w[:, width - 1]
+    for shift in range(1, width):
+        from_x = jnp.roll(xf, shift, axis=1)  # token l - shift, for l >= shift
+        column = jnp.clip(width - 1 + local - shift, 0, hist - 1)
+        from_state = history[:, column]
+        taken = jnp.where((local >= shift)[None, :, None], from_x, from_state)
+        pre = pre + taken * w[:, width - 1 - shift]
+    if bias is not None:
+        pre = pre + bias.astype(f32)
+    dpre = dy.astype(f32)[jnp.clip(token, 0, max(num_tokens - 1, 0))]
+    if activation == "silu":  # s (1 + v (1 - s)), s = sigmoid(v) through exp2 as the kernels
+        sigmoid = 1.0 / (1.0 + jnp.exp2(-pre * LOG2E))
+        dpre = dpre * sigmoid * (1.0 + pre * (1.0 - sigmoid))
+    dpre = jnp.where(live[..., None], dpre, 0.0)
+    dhistory = jnp.zeros_like(history)
+    for shift in range(1, width):
+        column = width - 1 + local - shift  # < K-1 exactly where the tap reads the history
+        from_state = (local < shift)[None, :, None]
+        onehot = (column[:, None] == jnp.arange(hist)[None, :]) & (local < shift)[:, None]
+        contribution = jnp.where(from_state, dpre * w[:, width - 1 - shift], 0.0)
+        dhistory = dhistory + jnp.einsum("blc,lj->bjc", contribution, onehot.astype(f32))
+
+    # A sequence shorter than K-1 keeps history columns len..K-2 as new columns 0..K-2-len.
+    writes = (slot_ids >= 0) & (seq_len > 0)
+    dnew = jnp.where(writes[:, None, None], dstate.astype(f32)[safe_slot], 0.0)  # [B, K-1, dim]
+    col = jnp.arange(hist)
+    kept = (col[None, :] + seq_len[:, None] < hist) & reads[:, None] & writes[:, None]
+    source = jnp.clip(col[None, :] + seq_len[:, None], 0, hist - 1)  # [B, K-1]
+    onehot = (source[..., None] == col[None, None, :]) & kept[..., None]  # [B, new, old]
+    dhistory = dhistory + jnp.einsum("bnc,bno->boc", dnew, onehot.astype(f32))
+
+    dcache = dstate.astype(f32).at[slot_scatter_index(jnp.where(writes, slot_ids, -1), num_slots)]
+    dcache = dcache.set(0.0, mode="drop")
+    dcache = dcache.at[slot_scatter_index(jnp.where(reads, slot_ids, -1), num_slots)].add(
+        jnp.where(reads[:, None, None], dhistory, 0.0), mode="drop"
+    )
+    return dcache.astype(conv_state_cache.dtype)
+
+
 @functools.cache
 def _differentiable(activation: str | None, config: BlockSizes, interpret: bool):
     """The prefill kernel with its Pallas backward kernel, for one set of static options."""
@@ -577,8 +656,19 @@ def _differentiable(activation: str | None, config: BlockSizes, interpret: bool)
             has_initial_state=has_initial_state,
             **options,
         )
-        # The conv state and the integer arguments are not differentiated.
-        return dx, dweight, dbias, None, None, None, None
+        dcache = _state_cotangent(
+            x,
+            weight,
+            bias,
+            dy,
+            dstate,
+            query_start_loc=qsl,
+            conv_state_cache=cache,
+            slot_ids=checked_slots(slot_ids, cache.shape[0]),
+            has_initial_state=has_initial_state,
+            activation=activation,
+        )
+        return dx, dweight, dbias, None, dcache, None, None
 
     conv.defvjp(forward, backward_rule)
     return conv

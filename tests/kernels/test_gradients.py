@@ -204,7 +204,7 @@ def _conv_kwargs(qsl, cache):
 def _conv_grads(impl, x, weight, bias, qsl, cache, dy, dcache, *, activation):
     config = CONV_CONFIG if impl == "triton" else None
 
-    def f(x, weight, bias):
+    def f(x, weight, bias, cache):
         return conv_api.causal_conv1d(
             x,
             weight,
@@ -215,31 +215,37 @@ def _conv_grads(impl, x, weight, bias, qsl, cache, dy, dcache, *, activation):
             config=config,
         )
 
-    _, vjp = jax.vjp(f, x, weight, bias)
+    _, vjp = jax.vjp(f, x, weight, bias, cache)
     return vjp((dy, dcache))
 
 
 @pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "linear"])
 @pytest.mark.parametrize("impl", CONV_IMPLS)
 def test_causal_conv1d_gradients(impl, activation):
-    """dx, dweight, dbias (cotangents of y and of the new conv state) against finite
-    differences of the float64 oracle, and the Pallas backend against the xla path's
-    jax.grad; rows of padding sequences and past the sequences get exactly 0."""
+    """dx, dweight, dbias and the conv state cache's (cotangents of y and of the new conv
+    state) against finite differences of the float64 oracle, and the Pallas backend against
+    the xla path's jax.grad; rows of padding sequences and past the sequences get exactly
+    0, cache lines no sequence names pass their cotangent through, lines written without
+    being read get 0. (The Pallas backward returned no cache cotangent before: zeros.)"""
     x, weight, bias, qsl, cache, dy, dcache = _conv_inputs(3)
     grads = _conv_grads(impl, x, weight, bias, qsl, cache, dy, dcache, activation=activation)
-    names = ("dx", "dweight", "dbias")
-    for g, p in zip(grads, (x, weight, bias), strict=True):
+    names = ("dx", "dweight", "dbias", "dcache")
+    for g, p in zip(grads, (x, weight, bias, cache), strict=True):
         assert g.shape == p.shape and g.dtype == p.dtype
     dead = dead_rows(x.shape[0], qsl, CONV_SLOTS)
     np.testing.assert_array_equal(as_f32(grads[0])[dead], 0.0)
+    unnamed = [s for s in range(CONV_SLOTS_TOTAL) if s not in CONV_SLOTS]
+    np.testing.assert_array_equal(as_f32(grads[3])[unnamed], as_f32(dcache)[unnamed])
+    np.testing.assert_array_equal(as_f32(grads[3])[CONV_SLOTS[0]], 0.0)  # no initial state
 
-    def oracle(x, weight, bias):
+    def oracle(x, weight, bias, cache):
         return causal_conv1d_oracle(
-            x, weight, bias, **_conv_kwargs(qsl, as_f32(cache)), activation=activation
+            x, weight, bias, **_conv_kwargs(qsl, cache), activation=activation
         )
 
     cotangent = (as_f32(dy), as_f32(dcache))
-    _check_against_fd(oracle, (x, weight, bias), cotangent, [as_f32(g) for g in grads], names)
+    inputs = (x, weight, bias, as_f32(cache))
+    _check_against_fd(oracle, inputs, cotangent, [as_f32(g) for g in grads], names)
     if impl != "xla":
         xla = _conv_grads("xla", x, weight, bias, qsl, cache, dy, dcache, activation=activation)
         _check_against_xla(grads, xla, names)
@@ -259,7 +265,8 @@ def test_causal_conv1d_triton_backward_runs_its_own_kernel():
     assert "causal_conv1d_bwd_k4_bt4_bd8" in kernels
     outside = primitives_outside_kernels(jaxpr)
     # The reference's SiLU (logistic) runs nowhere but in kernels (the kernels' own is an
-    # exp2); what runs outside is the block table and the sums of the partial gradients.
+    # exp2); what runs outside is the block table, the sums of the partial gradients and
+    # the conv state's cotangent from each sequence's first K - 1 rows ([B, K-1, dim]).
     assert "logistic" not in outside, outside
 
 
