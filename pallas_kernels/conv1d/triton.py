@@ -597,11 +597,10 @@ def _state_cotangent(
     dpre = jnp.where(live[..., None], dpre, 0.0)
     dhistory = jnp.zeros_like(history)
     for shift in range(1, width):
-        column = width - 1 + local - shift  # < K-1 exactly where the tap reads the history
-        from_state = (local < shift)[None, :, None]
-        onehot = (column[:, None] == jnp.arange(hist)[None, :]) & (local < shift)[:, None]
-        contribution = jnp.where(from_state, dpre * w[:, width - 1 - shift], 0.0)
-        dhistory = dhistory + jnp.einsum("blc,lj->bjc", contribution, onehot.astype(f32))
+        for row in range(min(shift, hist)):  # row l < shift reads column K-1+l-shift
+            column = width - 1 + row - shift
+            tap = dpre[:, row] * w[:, width - 1 - shift]
+            dhistory = dhistory.at[:, column].add(tap)
 
     # A sequence shorter than K-1 keeps history columns len..K-2 as new columns 0..K-2-len.
     writes = (slot_ids >= 0) & (seq_len > 0)
@@ -610,7 +609,9 @@ def _state_cotangent(
     kept = (col[None, :] + seq_len[:, None] < hist) & reads[:, None] & writes[:, None]
     source = jnp.clip(col[None, :] + seq_len[:, None], 0, hist - 1)  # [B, K-1]
     onehot = (source[..., None] == col[None, None, :]) & kept[..., None]  # [B, new, old]
-    dhistory = dhistory + jnp.einsum("bnc,bno->boc", dnew, onehot.astype(f32))
+    dhistory = dhistory + jnp.einsum(  # exact: a 0/1 matrix, no TF32 rounding on GPUs
+        "bnc,bno->boc", dnew, onehot.astype(f32), precision=jax.lax.Precision.HIGHEST
+    )
 
     dcache = dstate.astype(f32).at[slot_scatter_index(jnp.where(writes, slot_ids, -1), num_slots)]
     dcache = dcache.set(0.0, mode="drop")
