@@ -546,29 +546,20 @@ def prefill_backward(
 
 
 def _state_cotangent(
-    x: jax.Array,
-    weight: jax.Array,
-    bias: jax.Array | None,
-    dy: jax.Array,
-    dstate: jax.Array,
-    *,
-    query_start_loc: jax.Array,
-    conv_state_cache: jax.Array,
-    slot_ids: jax.Array,
-    has_initial_state: jax.Array,
-    activation: str | None,
+    primals: tuple[jax.Array, ...], dy: jax.Array, dstate: jax.Array, activation: str | None
 ) -> jax.Array:
-    """Cotangent of the conv state cache read by :func:`causal_conv1d`: ``dstate`` where no
+    """Cotangent of the conv state cache read by :func:`causal_conv1d` (``primals``: its
+    differentiated function's arguments, slot ids checked): ``dstate`` where no
     sequence writes, nothing else there (a written line's old value reaches only what
     reads it); plus, in the slot of each sequence that starts from its state, what its
     ``K-1`` history columns feed: its first ``K-1`` outputs (the pre-activations
     recomputed for those ``B (K-1)`` rows only) and, for a sequence shorter than ``K-1``,
     the columns its new state keeps. Small ``[B, K-1, dim]`` arrays in fp32."""
+    x, weight, bias, qsl, conv_state_cache, slot_ids, has_initial_state = primals
     f32 = jnp.float32
     num_tokens = x.shape[0]
     num_slots, hist, _ = conv_state_cache.shape  # hist = K - 1
     width = hist + 1
-    qsl = query_start_loc
     seq_len = qsl[1:] - qsl[:-1]
     safe_slot = jnp.maximum(slot_ids, 0)
     history = conv_state_cache[safe_slot].astype(f32)  # [B, K-1, dim]
@@ -657,18 +648,8 @@ def _differentiable(activation: str | None, config: BlockSizes, interpret: bool)
             has_initial_state=has_initial_state,
             **options,
         )
-        dcache = _state_cotangent(
-            x,
-            weight,
-            bias,
-            dy,
-            dstate,
-            query_start_loc=qsl,
-            conv_state_cache=cache,
-            slot_ids=checked_slots(slot_ids, cache.shape[0]),
-            has_initial_state=has_initial_state,
-            activation=activation,
-        )
+        checked = (*residuals[:5], checked_slots(slot_ids, cache.shape[0]), has_initial_state)
+        dcache = _state_cotangent(checked, dy, dstate, activation)
         return dx, dweight, dbias, None, dcache, None, None
 
     conv.defvjp(forward, backward_rule)

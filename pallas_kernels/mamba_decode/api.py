@@ -19,7 +19,15 @@ MAMBA2_DECODE = Op(
             "triton",
             triton.mamba2_decode,
             config_type=triton.BlockSizes,
-            default_config=triton.default_block_sizes,
+            default_config=lambda zxbcdt, _, conv_weight, __, ssm_state, *___, **options: (
+                triton.default_block_sizes(
+                    rows=zxbcdt.shape[0],
+                    conv_dim=conv_weight.shape[0],
+                    state_shape=ssm_state.shape[1:],
+                    norm_group_size=options["norm_group_size"],
+                    gated=options["norm_weight"] is None,
+                )
+            ),
         ),
         Backend("xla", reference.mamba2_decode),
     ),

@@ -45,26 +45,20 @@ class BlockSizes:
 
 
 def default_block_sizes(
-    zxbcdt: jax.Array,
-    conv_state_cache: jax.Array,
-    conv_weight: jax.Array,
-    conv_bias: jax.Array | None,
-    ssm_state_cache: jax.Array,
-    A: jax.Array,
     *,
-    norm_weight: jax.Array | None,
+    rows: int,
+    conv_dim: int,
+    state_shape: tuple[int, int, int],
     norm_group_size: int,
-    **_,
+    gated: bool,
 ) -> BlockSizes:
-    """Each kernel's own heuristic for its part of the step (the state update's gated
-    tiling when it applies the z gate itself, i.e. without the norm)."""
-    del conv_state_cache, conv_bias, A
-    H, P, N = ssm_state_cache.shape[1:]
+    """Each kernel's own heuristic for its part of the step: ``rows`` decode rows, the
+    conv's ``conv_dim`` channels, the state's ``(H, P, N)``; ``gated``: the state update
+    applies the z gate itself (no norm), which has a tiling of its own."""
+    H, P, N = state_shape
     return BlockSizes(
-        conv=conv.default_update_block_sizes(conv_weight.shape[0]),
-        state_update=state_update.default_block_sizes(
-            P, N, rows=zxbcdt.shape[0], num_heads=H, gated=norm_weight is None
-        ),
+        conv=conv.default_update_block_sizes(conv_dim),
+        state_update=state_update.default_block_sizes(P, N, rows=rows, num_heads=H, gated=gated),
         norm=norm.default_block_sizes(norm_group_size),
     )
 

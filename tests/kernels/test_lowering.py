@@ -183,20 +183,30 @@ def test_mamba2_decode_lowers_on_packed_rows(norm):
     conv_dim = H * P + 2 * G * N
 
     def fn(zxbcdt, conv_cache, conv_weight, ssm_cache, A, slots, D, dt_bias, norm_weight):
-        arrays = (zxbcdt, conv_cache, conv_weight, None, ssm_cache, A)
-        options = dict(norm_weight=norm_weight if norm else None, norm_group_size=H * P // G)
         return mamba_decode_triton.mamba2_decode(
-            *arrays,
+            zxbcdt,
+            conv_cache,
+            conv_weight,
+            None,
+            ssm_cache,
+            A,
             num_groups=G,
             slot_ids=slots,
             D=D,
             dt_bias=dt_bias,
             dt_softplus=True,
             dt_limit=(0.0, math.inf),
+            norm_weight=norm_weight if norm else None,
+            norm_group_size=H * P // G,
             norm_eps=1e-5,
             norm_before_gate=False,
-            config=mamba_decode_triton.default_block_sizes(*arrays, **options),
-            **options,
+            config=mamba_decode_triton.default_block_sizes(
+                rows=R,
+                conv_dim=conv_dim,
+                state_shape=(H, P, N),
+                norm_group_size=H * P // G,
+                gated=not norm,
+            ),
         )
 
     args = (
