@@ -582,10 +582,7 @@ def _state_cotangent(
     if bias is not None:
         pre = pre + bias.astype(f32)
     dpre = dy.astype(f32)[jnp.clip(token, 0, max(num_tokens - 1, 0))]
-    if activation == "silu":  # s (1 + v (1 - s)), s = sigmoid(v) through exp2 as the kernels
-        sigmoid = 1.0 / (1.0 + jnp.exp2(-pre * LOG2E))
-        dpre = dpre * sigmoid * (1.0 + pre * (1.0 - sigmoid))
-    dpre = jnp.where(live[..., None], dpre, 0.0)
+    dpre = jnp.where(live[..., None], dpre * _activation_grad(pre, activation), 0.0)
     dhistory = jnp.zeros_like(history)
     for shift in range(1, width):
         for row in range(min(shift, hist)):  # row l < shift reads column K-1+l-shift
