@@ -3,8 +3,10 @@
 ``load_hf_checkpoint(directory)`` reads ``config.json`` and one or several
 ``*.safetensors`` (with ``model.safetensors.index.json``), renames every tensor to its
 module path, transforms it (PyTorch ``[out, in]`` linears → ``[in, out]`` kernels, conv
-weights ``[C, 1, K]`` → ``[C, K]``, Granite's fused gate|up split in two, per-expert
-weights stacked and expert weights ``[E, out, in]`` → ``[E, in, out]``), checks its shape
+weights ``[C, 1, K]`` → ``[C, K]``, an MLP's gate and up stacked into its one
+``gate_up`` weight ``[H, 2, I]`` (Granite's fused ``[2I, H]`` cut in two for it),
+per-expert weights stacked and expert weights ``[E, out, in]`` → ``[E, in, out]``),
+checks its shape
 against the abstract model, and raises one ``ValueError`` listing every missing,
 unexpected or mis-shaped tensor. Tied embeddings need no ``lm_head``.
 
@@ -86,9 +88,14 @@ def _same(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` cut in two along its first axis."""
-    return x[: len(x) // 2], x[len(x) // 2 :]
+def _gate_up(x: np.ndarray) -> np.ndarray:
+    """Gate and up stacked [2, I, H] → the MLP's ``gate_up`` kernel [H, 2, I]."""
+    return x.transpose(2, 0, 1)
+
+
+def _halves(x: np.ndarray) -> np.ndarray:
+    """``x`` cut in two along its first axis, the halves stacked: [2n, ...] → [2, n, ...]."""
+    return stack([x[: len(x) // 2], x[len(x) // 2 :]])
 
 
 def _experts(x: np.ndarray) -> np.ndarray:
@@ -96,9 +103,8 @@ def _experts(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1)
 
 
-# 2) Parameter names: (suffix pattern, target suffix(es), transform). A transform that
-# returns a tuple fills one target per entry.
-_PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
+# 2) Parameter names: (suffix pattern, target suffix, transform).
+_PARAMS: list[tuple[str, str, Callable]] = [
     # Mixture of experts (before the dense rules, which would also match these names).
     # Granite (block_sparse_moe → moe): experts fused as input_linear [E, 2I, H] (gate|up)
     # and output_linear [E, H, I]. Nemotron-H (mixer): router "gate", per-expert linears
@@ -114,13 +120,12 @@ _PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
     (r"embed\.weight$", "embed.embedding", _same),
     (r"(in_proj|out_proj|[qkvo]_proj)\.weight$", r"\1.kernel", _linear),
     (r"(in_proj|out_proj|[qkvo]_proj)\.bias$", r"\1.bias", _same),
-    (r"(gate|up|down)_proj\.weight$", r"\1.kernel", _linear),
-    (r"(gate|up|down)_proj\.bias$", r"\1.bias", _same),
-    (
-        r"input_linear\.weight$",
-        ("gate.kernel", "up.kernel"),
-        lambda x: tuple(_linear(h) for h in _halves(x)),
-    ),
+    # Gated MLPs: gate_up_proj [2, I, H] is _stack_gate_up's, input_linear [2I, H] Granite's.
+    (r"gate_up_proj\.weight$", "gate_up.kernel", _gate_up),
+    (r"gate_up_proj\.bias$", "gate_up.bias", _same),
+    (r"input_linear\.weight$", "gate_up.kernel", lambda x: _gate_up(_halves(x))),
+    (r"(up|down)_proj\.weight$", r"\1.kernel", _linear),
+    (r"(up|down)_proj\.bias$", r"\1.bias", _same),
     (r"output_linear\.weight$", "down.kernel", _linear),
     (r"conv1d\.weight$", "conv_weight", _conv),
     (r"conv1d\.bias$", "conv_bias", _same),
@@ -132,10 +137,8 @@ _PARAMS: list[tuple[str, str | tuple[str, ...], Callable]] = [
 ]
 
 
-def hf_to_module_paths(
-    family: str, name: str, tensor: np.ndarray
-) -> list[tuple[str, np.ndarray]] | None:
-    """The module paths and values one HF tensor fills, or None when no rule matches."""
+def hf_to_module_path(family: str, name: str, tensor: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """The module path and value one HF tensor fills, or None when no rule matches."""
     for pattern, prefix in _RENAMES[family] + _COMMON_RENAMES:
         if re.match(pattern, name):
             name = re.sub(pattern, prefix, name)
@@ -146,11 +149,7 @@ def hf_to_module_paths(
         found = re.search(pattern, name)
         if found is None:
             continue
-        head = name[: found.start()]
-        values = transform(tensor)
-        if isinstance(target, tuple):
-            return [(head + t, v) for t, v in zip(target, values, strict=True)]
-        return [(head + found.expand(target), values)]
+        return name[: found.start()] + found.expand(target), transform(tensor)
     return None
 
 
@@ -178,6 +177,28 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray
             errors.append(f"{name}: experts {missing} missing, expert shapes {sorted(shapes)}")
         else:
             stacked[name] = stack([experts[e] for e in range(len(experts))])
+    return stacked, errors
+
+
+_GATE = re.compile(r"^(.*)\.gate_proj\.(weight|bias)$")
+
+
+def _stack_gate_up(tensors: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], list[str]]:
+    """Each MLP's ``gate_proj`` and ``up_proj`` (weight ``[I, H]``, bias ``[I]``) stacked
+    into one ``gate_up_proj`` (``[2, I, H]``, ``[2, I]``), the model's one ``gate_up``
+    weight; and the errors found (a gate without its up, or of another shape)."""
+    stacked, errors = dict(tensors), []
+    for name, gate in tensors.items():
+        found = _GATE.match(name)
+        if found is None:
+            continue
+        up_name = f"{found[1]}.up_proj.{found[2]}"
+        up = tensors.get(up_name)
+        if up is None or up.shape != gate.shape:
+            errors.append(f"{name} {gate.shape} needs {up_name} of its shape")
+            continue
+        del stacked[name], stacked[up_name]
+        stacked[f"{found[1]}.gate_up_proj.{found[2]}"] = stack([gate, up])
     return stacked, errors
 
 
@@ -227,20 +248,22 @@ def load_hf_checkpoint(
     expected = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
     filled: dict[str, LazyTensor] = {}
     tensors, errors = _stack_experts(_read_tensors(directory))
+    tensors, gate_up_errors = _stack_gate_up(tensors)
+    errors += gate_up_errors
     for name, tensor in sorted(tensors.items()):
-        targets = hf_to_module_paths(cfg.family, name, tensor)
-        if targets is None:
+        target = hf_to_module_path(cfg.family, name, tensor)
+        if target is None:
             errors.append(f"unexpected tensor {name} {tensor.shape}")
             continue
-        for path, value in targets:
-            if path not in expected:
-                errors.append(f"unexpected tensor {name} {tensor.shape} (as {path})")
-            elif value.shape != expected[path].shape:
-                errors.append(
-                    f"tensor {name} has shape {tensor.shape}; {path} needs {expected[path].shape}"
-                )
-            else:
-                filled[path] = value
+        path, value = target
+        if path not in expected:
+            errors.append(f"unexpected tensor {name} {tensor.shape} (as {path})")
+        elif value.shape != expected[path].shape:
+            errors.append(
+                f"tensor {name} has shape {tensor.shape}; {path} needs {expected[path].shape}"
+            )
+        else:
+            filled[path] = value
     errors += [
         f"missing tensor for {path} {var.shape}"
         for path, var in expected.items()

@@ -1,7 +1,7 @@
 """Tensor parallelism over a mesh axis named ``"tp"`` (Megatron-style, as vLLM does it).
 
 Every mixer splits its heads (or widths) over the ``tp`` devices; the residual stream stays
-replicated. Column-parallel projections (in_proj, q/k/v, gate/up, expert up) keep each
+replicated. Column-parallel projections (in_proj, q/k/v, gate_up, expert up) keep each
 device's output columns local, row-parallel ones (out_proj, o_proj, down, expert down) sum
 their partial products with one all-reduce::
 
@@ -239,7 +239,7 @@ def tp_layout(path: tuple[str, ...], value, cfg: HybridConfig, tp: int):
 
 # ------------------------------------------------------------------------ specs
 
-_COLUMN = ("in_proj", "q_proj", "k_proj", "v_proj", "gate", "up")  # output split
+_COLUMN = ("in_proj", "q_proj", "k_proj", "v_proj", "up")  # output split
 _ROW = ("out_proj", "o_proj", "down")  # input split, output all-reduced
 _HEADS = ("conv_weight", "conv_bias", "A_log", "D", "dt_bias", "norm_weight")
 
@@ -257,6 +257,8 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
     owner = path[-2] if len(path) > 1 else ""
     if owner in _COLUMN:
         return P(None, TP) if name == "kernel" else P(TP)
+    if owner == "gate_up":  # kernel [D, 2, F], bias [2, F]: F split
+        return P(*([None] * (len(shape) - 1)), TP)
     if owner in _ROW:
         return P(TP, None) if name == "kernel" else P()
     if name in _HEADS:

@@ -9,8 +9,9 @@ in one run,
   than its per-GPU bytes at the copy rate plus 64 of these.
 - ``mlp``: eight chained Bamba-9B-shaped SwiGLU MLPs (hidden 4096, intermediate 14336,
   gate/up column- and down row-split over the devices, bf16), time per MLP, with gate and
-  up as XLA merges them and kept apart by a barrier on up's operand (the model's MLP keeps
-  them apart from ``SEPARATE_GATE_UP_ROWS`` rows on), at tp = 1 and ``--tp``.
+  up as XLA merges them and kept apart by a barrier on up's operand (the model's MLP, which
+  now stores them as one ``gate_up`` weight, kept them apart from 128 rows on before), at
+  tp = 1 and ``--tp``.
 
 On two H200s (2026-11-27): 22.4 / 22.5 / 26.8 µs per all-reduce at 1 / 64 / 256 rows;
 at 256 rows tp = 2 an MLP took 137.7 µs merged and 110.8 µs apart (tp = 1: 153 µs), at one

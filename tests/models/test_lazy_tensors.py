@@ -29,6 +29,11 @@ def test_views_read_what_numpy_computes(tmp_path):
             stack(experts).transpose(0, 2, 1),
             np.stack([arrays[f"e{i}"] for i in range(3)]).transpose(0, 2, 1),
         ),
+        # Granite's fused gate | up [2I, H] → the MLP's gate_up kernel [H, 2, I].
+        "gate_up": (
+            stack([a[:3, 0, :], a[3:, 0, :]]).transpose(2, 0, 1),
+            arrays["a"][:, 0, :].reshape(2, 3, 10).transpose(2, 0, 1),
+        ),
     }
     for name, (view, expected) in cases.items():
         assert view.shape == expected.shape, name

@@ -23,7 +23,7 @@ from flax_models.batch import make_forward_batch
 from flax_models.cache import init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
-from flax_models.layers.mlp import MLP, SEPARATE_GATE_UP_ROWS
+from flax_models.layers.mlp import MLP
 from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM, layer_implementation
 from pallas_kernels.testing import assert_close
@@ -652,25 +652,31 @@ def test_falcon_h1_both_states_carry_across_steps():
         assert_close(logits, full[start:stop], rtol=1e-5, name=f"tokens {start}:{stop}")
 
 
-@pytest.mark.gpu
-def test_mlp_gate_and_up_stay_two_products():
-    """XLA's GPU dot merger joins two products of one operand into one over the
-    concatenated weights when they are small (each GPU's halves of Bamba-9B's gate and up at
-    tp = 2), and from SEPARATE_GATE_UP_ROWS rows on that merged gemm ran slower than the two:
-    there the MLP keeps them apart, so no weight concatenation is in its compiled program."""
-    mlp = MLP(
-        HybridConfig.tiny(hidden_size=512, intermediate_size=1024),
-        dtype=jnp.bfloat16,
-        rngs=nnx.Rngs(0),
+def test_gated_mlp_is_swiglu_over_the_halves_of_gate_up():
+    """One stored gate_up weight: ``down(silu(x W_gate · g) · x W_up) · d`` with W_gate and
+    W_up its two halves (Falcon-H1's µP multipliers g and d), against float64 NumPy."""
+    cfg = HybridConfig.tiny(
+        hidden_size=24, intermediate_size=40, mlp_gate_multiplier=0.75, mlp_down_multiplier=1.5
     )
-    graph, state = nnx.split(mlp)
-    forward = jax.jit(lambda state, x: nnx.merge(graph, state)(x))
-    x = jnp.ones((SEPARATE_GATE_UP_ROWS, 512), jnp.bfloat16)
-    compiled = forward.lower(state, x).compile().as_text()
-    assert "concatenate" not in compiled
-    h = x.astype(jnp.float32)
-    w = {
-        name: getattr(mlp, name).kernel[...].astype(jnp.float32) for name in ("gate", "up", "down")
-    }
-    want = (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
-    assert_close(forward(state, x), want, rtol=2e-2)
+    mlp = MLP(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = np.asarray(jax.random.normal(jax.random.key(1), (5, 24)), np.float64)
+    gate_up = np.asarray(mlp.gate_up.kernel[...], np.float64)
+    assert gate_up.shape == (24, 2, 40)
+    gate, up = x @ gate_up[:, 0] * 0.75, x @ gate_up[:, 1]
+    want = (gate / (1 + np.exp(-gate)) * up) @ np.asarray(mlp.down.kernel[...], np.float64) * 1.5
+    assert_close(mlp(jnp.asarray(x, jnp.float32)), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kept", ["gate_proj", "up_proj"])
+def test_a_gate_without_its_up_is_reported(tmp_path, kept):
+    """The loader stacks each MLP's gate_proj and up_proj into one gate_up: a checkpoint
+    with one of them alone is refused, naming it (or the missing gate_up)."""
+    directory = _copy_fixture("bamba", tmp_path)
+    dropped = {"gate_proj": "up_proj", "up_proj": "gate_proj"}[kept]
+
+    def change(t):
+        del t[f"model.layers.1.feed_forward.{dropped}.weight"]
+
+    _rewrite(directory, change)
+    with pytest.raises(ValueError, match=r"layers\.1\.(feed_forward\.gate_proj|mlp\.gate_up)"):
+        load_hf_checkpoint(directory)

@@ -123,6 +123,7 @@ out["specs"] = {
     for name, param in [
         ("in_proj", mixer.in_proj.kernel), ("out_proj", mixer.out_proj.kernel),
         ("A_log", mixer.A_log), ("q_proj", model.layers[2].mixer.q_proj.kernel),
+        ("mlp.gate_up", model.layers[0].mlp.gate_up.kernel),
         ("mlp.down", model.layers[0].mlp.down.kernel), ("embed", model.embed.embedding),
         ("lm_head", model.lm_head.kernel),
     ]
@@ -322,6 +323,7 @@ def test_parameters_and_caches_are_split(results):
         "out_proj": ["tp", "None"],
         "A_log": ["tp"],
         "q_proj": ["None", "tp"],
+        "mlp.gate_up": ["None", "None", "tp"],
         "mlp.down": ["tp", "None"],
         "embed": ["None", "None"],
         "lm_head": ["None", "tp"],
