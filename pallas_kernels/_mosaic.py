@@ -27,18 +27,32 @@ def swizzled_tiles(dtype) -> tuple[plgpu.Transform, ...]:
     return (plgpu.TilingTransform((TMA_ROWS, width)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
-def produce_ring(load: Callable, num_items, free, *, num_stages: int) -> None:
+def produce_ring(load: Callable, num_items, free, *, num_stages: int, done=None) -> None:
     """A producer warpgroup's loop over a ring of ``num_stages`` shared-memory slots:
     ``load(i, slot)`` issues the copies of item ``i`` (of ``num_items``, static or traced)
-    into slot ``i % num_stages``, once the slot's ``free`` barrier says that the consumers
-    are done with item ``i - num_stages``."""
-    for i in range(num_stages):  # the ring's first fill
-        pl.when(i < num_items)(lambda i=i: load(i, i))
+    into slot ``(done + i) % num_stages``, once the slot's ``free`` barrier says that the
+    consumers are done with the item ``num_stages`` before it.
 
-    @pl.loop(num_stages, num_items)
-    def _steady(i):
-        slot = lax.rem(i, num_stages)
-        plgpu.barrier_wait(free.at[slot])
+    ``done``: the items this ring already carried in earlier loops (traced; a producer that
+    walks several sequences one after another keeps one ring over all of them). Without it
+    the ring starts empty, and its first fill is unrolled without waits."""
+    if done is None:
+        for i in range(num_stages):  # the ring's first fill
+            pl.when(i < num_items)(lambda i=i: load(i, i))
+
+        @pl.loop(num_stages, num_items)
+        def _steady(i):
+            slot = lax.rem(i, num_stages)
+            plgpu.barrier_wait(free.at[slot])
+            load(i, slot)
+
+        return
+
+    @pl.loop(0, num_items)
+    def _item(i):
+        slot = lax.rem(done + i, num_stages)
+        # The ring's first fill needs no free slot.
+        pl.when(done + i >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
         load(i, slot)
 
 

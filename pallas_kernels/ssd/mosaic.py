@@ -617,14 +617,13 @@ def _state_scan_kernel(
 
             def sequence(position, done):  # `done`: the block's steps before this sequence
                 _, num_steps, step_of = steps_of(order_ref[position])
-
-                @pl.loop(0, num_steps)
-                def _step(i):
-                    slot = lax.rem(done + i, num_stages)
-                    # The ring's first fill needs no free slot.
-                    pl.when(done + i >= num_stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-                    load(step_rows(step_of, i), slot)
-
+                produce_ring(
+                    lambda i, slot: load(step_rows(step_of, i), slot),
+                    num_steps,
+                    free,
+                    num_stages=num_stages,
+                    done=done,
+                )
                 return done + num_steps
 
             lax.fori_loop(seq_lo, seq_hi, sequence, jnp.int32(0))
