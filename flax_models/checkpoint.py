@@ -6,9 +6,8 @@ module path, transforms it (PyTorch ``[out, in]`` linears → ``[in, out]`` kern
 weights ``[C, 1, K]`` → ``[C, K]``, an MLP's gate and up stacked into its one
 ``gate_up`` weight ``[H, 2, I]`` (Granite's fused ``[2I, H]`` cut in two for it),
 per-expert weights stacked and expert weights ``[E, out, in]`` → ``[E, in, out]``),
-checks its shape
-against the abstract model, and raises one ``ValueError`` listing every missing,
-unexpected or mis-shaped tensor. Tied embeddings need no ``lm_head``.
+checks its shape against the abstract model, and raises one ``ValueError`` listing every
+missing, unexpected or mis-shaped tensor. Tied embeddings need no ``lm_head``.
 
 Tensors are read on demand (``flax_models.lazy_tensors``): the transforms make views, the
 shapes are checked before anything is read, and a sharded load reads for each device the
