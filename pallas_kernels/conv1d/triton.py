@@ -569,9 +569,9 @@ def _state_cotangent(
     # Each sequence's first K-1 tokens (local position l) read history column K-1+l-s at
     # tap s > l.
     local = jnp.arange(hist)
-    token = qsl[:-1, None] + local[None, :]  # [B, K-1]
+    token = jnp.clip(qsl[:-1, None] + local[None, :], 0, max(num_tokens - 1, 0))  # [B, K-1]
     live = (local[None, :] < seq_len[:, None]) & reads[:, None]
-    xf = x.astype(f32)[jnp.clip(token, 0, max(num_tokens - 1, 0))]  # [B, K-1, dim]
+    xf = x.astype(f32)[token]  # [B, K-1, dim]
     pre = xf * w[:, width - 1]
     for shift in range(1, width):
         from_x = jnp.roll(xf, shift, axis=1)  # token l - shift, for l >= shift
@@ -581,7 +581,7 @@ def _state_cotangent(
         pre = pre + taken * w[:, width - 1 - shift]
     if bias is not None:
         pre = pre + bias.astype(f32)
-    dpre = dy.astype(f32)[jnp.clip(token, 0, max(num_tokens - 1, 0))]
+    dpre = dy.astype(f32)[token]
     dpre = jnp.where(live[..., None], dpre * _activation_grad(pre, activation), 0.0)
     dhistory = jnp.zeros_like(history)
     for shift in range(1, width):
