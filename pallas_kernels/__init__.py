@@ -11,6 +11,7 @@ from pallas_kernels.backend import Implementation, backend_for
 from pallas_kernels.conv1d import causal_conv1d, causal_conv1d_update
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.mamba_decode import mamba2_decode
+from pallas_kernels.mamba_prefill import mamba2_prefill
 from pallas_kernels.metadata import (
     ChunkMetadata,
     bucket_for,
@@ -36,6 +37,7 @@ __all__ = [
     "grouped_matmul",
     "kv_lens_from_mask",
     "mamba2_decode",
+    "mamba2_prefill",
     "masked_tail_attention",
     "matmul_precision",
     "max_chunks_for",

@@ -71,6 +71,19 @@ def check_activation(activation: str | None) -> None:
         raise ValueError(f"activation={activation!r} must be None or 'silu'")
 
 
+def check_sequences(query_start_loc: jax.Array, has_initial_state: jax.Array) -> int:
+    """Checks ``query_start_loc`` (integer ``[B + 1]``, B >= 1) and ``has_initial_state[B]``;
+    returns B."""
+    check_integer("query_start_loc", query_start_loc)
+    if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
+        raise ValueError(
+            f"query_start_loc must have shape [B + 1] with B >= 1, got {query_start_loc.shape}"
+        )
+    num_seqs = query_start_loc.shape[0] - 1
+    check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
+    return num_seqs
+
+
 def host_values(name: str, array: jax.Array) -> np.ndarray:
     """The values of ``array`` on the host, for ``validate=True`` data checks."""
     if isinstance(array, jax.core.Tracer):

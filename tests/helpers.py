@@ -176,20 +176,23 @@ def fast_compile_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def primitives_outside_kernels(jaxpr) -> set[str]:
-    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside pallas_calls:
-    what a backward pass computes outside its kernels."""
-    names = set()
+def eqns_outside_kernels(jaxpr):
+    """The equations of ``jaxpr`` and its sub-jaxprs, not looking inside pallas_calls."""
     for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
+        yield eqn
         if eqn.primitive.name == "pallas_call":
             continue
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    names |= primitives_outside_kernels(inner)
-    return names
+                    yield from eqns_outside_kernels(inner)
+
+
+def primitives_outside_kernels(jaxpr) -> set[str]:
+    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside pallas_calls:
+    what a backward pass computes outside its kernels."""
+    return {eqn.primitive.name for eqn in eqns_outside_kernels(jaxpr)}
 
 
 def pallas_call_names(jaxpr) -> set[str]:

@@ -114,13 +114,7 @@ def causal_conv1d(
         raise ValueError(f"x must have shape [T, dim], got {x.shape}")
     T, dim = x.shape
     S = check_weights_and_cache(weight, bias, conv_state_cache, dim)
-    checks.check_integer("query_start_loc", query_start_loc)
-    if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
-        raise ValueError(
-            f"query_start_loc must have shape [B + 1] with B >= 1, got {query_start_loc.shape}"
-        )
-    num_seqs = query_start_loc.shape[0] - 1
-    checks.check_shape("has_initial_state", has_initial_state, (num_seqs,), "[B]")
+    num_seqs = checks.check_sequences(query_start_loc, has_initial_state)
     checks.check_activation(activation)
     checked_slot_ids = checks.check_slot_ids(slot_ids, num_seqs, S, "[B]")
     if validate:

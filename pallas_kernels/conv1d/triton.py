@@ -138,13 +138,13 @@ def _prefill_kernel(
     qsl_ref,  # [B + 1] int32
     slot_ref,  # [B] int32
     has_state_ref,  # [B] int32 (0/1)
-    x_ref,  # [T, dim]
+    x_ref,  # [T, ≥ x_col0 + dim]
     w_ref,  # [dim, K]
     bias_ref,  # [dim] or None
     cache_in_ref,  # [S, K-1, dim], aliased to cache_ref
-    y_ref,  # [T, dim]
-    cache_ref,  # [S, K-1, dim]
-    *,
+    *refs,  # y_ref [T, dim] (or [T, split] and [T, dim - split]), cache_ref [S, K-1, dim]
+    x_col0: int,
+    split: int | None,
     width: int,
     block_t: int,
     unroll_t: int,
@@ -153,128 +153,146 @@ def _prefill_kernel(
     approx_tanh: bool,
 ):
     del cache_in_ref  # the same buffer as cache_ref
+    *y_refs, cache_ref = refs
     dblk, i = pl.program_id(0), pl.program_id(1)
     num_blocks = block_seq_ref.shape[0]
-    num_tokens, dim = y_ref.shape
+    num_tokens, dim = x_ref.shape[0], w_ref.shape[0]
     d0 = dblk * block_d
-    cols = pl.ds(d0, block_d)
     d_live = d0 + jnp.arange(block_d) < dim
+    cols = pl.ds(d0, block_d)  # the channels of the weights, bias and conv state
+    x_cols = pl.ds(x_col0 + d0, block_d)
 
     def x_row(row, live):
         """Input row ``row`` (fp32), zeros where not ``live``; the index is clamped so a
         masked row never forms an address outside x."""
         row = jnp.clip(row, 0, num_tokens - 1)
-        return plgpu.load(x_ref.at[row, cols], mask=d_live & live, other=0.0).astype(jnp.float32)
+        return plgpu.load(x_ref.at[row, x_cols], mask=d_live & live, other=0.0).astype(jnp.float32)
 
-    def zero_rows(row0, end):
-        """Zeros into rows [row0, min(row0 + block_t, end)) of y."""
-        rows = row0 + jnp.arange(block_t)
-        plgpu.store(
-            y_ref.at[pl.ds(row0, block_t), cols],
-            jnp.zeros((block_t, block_d), y_ref.dtype),
-            mask=(rows < end)[:, None] & d_live[None, :],
-        )
+    def run(y_ref, y_d0):
+        """The program's work, its outputs going to columns ``y_d0 ..`` of ``y_ref``."""
+        y_cols = pl.ds(y_d0, block_d)
 
-    def convolve_block(row0, block_end, seq_start, seq_end, slot, first, b):
-        """Rows [row0, block_end) of sequence ``b`` (live: ``slot >= 0``)."""
-        # The slot's last K-1 inputs (oldest first), read only by the sequence's first
-        # block and only with an initial state; zeros otherwise.
-        use_state = first & (has_state_ref[b] != 0)
-        history = [
-            plgpu.load(
-                cache_ref.at[slot, static_index(j), cols],
-                mask=d_live & use_state,
-                other=0.0,
-            ).astype(jnp.float32)
-            for j in range(width - 1)
-        ]
-        # The K-1 inputs before the block: its sequence's earlier tokens, or the history.
-        window = [x_row(row0 - (width - 1) + j, ~first) + history[j] for j in range(width - 1)]
-        weights = [
-            plgpu.load(w_ref.at[cols, static_index(k)], mask=d_live, other=0.0).astype(jnp.float32)
-            for k in range(width)
-        ]
-        bias = None
-        if bias_ref is not None:
-            bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
+        def zero_rows(row0, end):
+            """Zeros into rows [row0, min(row0 + block_t, end)) of y."""
+            rows = row0 + jnp.arange(block_t)
+            plgpu.store(
+                y_ref.at[pl.ds(row0, block_t), y_cols],
+                jnp.zeros((block_t, block_d), y_ref.dtype),
+                mask=(rows < end)[:, None] & d_live[None, :],
+            )
 
-        def load_rows(first_row):
-            return [x_row(first_row + r, first_row + r < block_end) for r in range(unroll_t)]
-
-        def rows_step(j, carry):
-            window, current = carry  # the K-1 inputs before this step's rows; its rows
-            step_row = row0 + j * unroll_t
-            # The next step's loads go out before this step's stores: a store may alias
-            # a later load as far as the compiler knows, so loads issued after stores
-            # would each wait for the one before. Past the block they are masked off.
-            upcoming = load_rows(step_row + unroll_t)
-            taps_all = window + current
-            for r in range(unroll_t):
-                row = step_row + r
-                taps = taps_all[r : r + width]
-                # Bias first, then one fused multiply-add per tap.
-                y = bias
-                for tap, w in zip(taps, weights, strict=True):
-                    y = tap * w if y is None else y + tap * w
-                y = _activate(y, activation, approx_tanh=approx_tanh)
-                plgpu.store(
-                    y_ref.at[jnp.minimum(row, num_tokens - 1), cols],
-                    y.astype(y_ref.dtype),
-                    mask=d_live & (row < block_end),
-                )
-            return taps_all[len(taps_all) - (width - 1) :], upcoming
-
-        num_steps = pl.cdiv(block_end - row0, unroll_t)
-        jax.lax.fori_loop(0, num_steps, rows_step, (window, load_rows(row0)))
-
-        # New state: the last K-1 inputs of history ++ tokens.
-        @pl.when(first)
-        def _():
-            length = seq_end - seq_start
-            for j in range(width - 1):
-                t = length - (width - 1) + j  # position in the sequence, < 0: history
-                column = x_row(seq_start + t, t >= 0)
-                for h in range(width - 1):
-                    column = column + jnp.where(length + j == h, history[h], 0.0)
-                plgpu.store(
+        def convolve_block(row0, block_end, seq_start, seq_end, slot, first, b):
+            """Rows [row0, block_end) of sequence ``b`` (live: ``slot >= 0``)."""
+            # The slot's last K-1 inputs (oldest first), read only by the sequence's first
+            # block and only with an initial state; zeros otherwise.
+            use_state = first & (has_state_ref[b] != 0)
+            history = [
+                plgpu.load(
                     cache_ref.at[slot, static_index(j), cols],
-                    column.astype(cache_ref.dtype),
-                    mask=d_live,
+                    mask=d_live & use_state,
+                    other=0.0,
+                ).astype(jnp.float32)
+                for j in range(width - 1)
+            ]
+            # The K-1 inputs before the block: its sequence's earlier tokens, or the history.
+            window = [x_row(row0 - (width - 1) + j, ~first) + history[j] for j in range(width - 1)]
+            weights = [
+                plgpu.load(w_ref.at[cols, static_index(k)], mask=d_live, other=0.0).astype(
+                    jnp.float32
                 )
+                for k in range(width)
+            ]
+            bias = None
+            if bias_ref is not None:
+                bias = plgpu.load(bias_ref.at[cols], mask=d_live, other=0.0).astype(jnp.float32)
 
-    @pl.when(i < num_blocks)
-    def _block():
-        b = block_seq_ref[i]
+            def load_rows(first_row):
+                return [x_row(first_row + r, first_row + r < block_end) for r in range(unroll_t)]
 
-        @pl.when(b >= 0)
-        def _():
-            row0 = block_row_ref[i]
-            seq_start, seq_end = qsl_ref[b], qsl_ref[b + 1]
-            slot = slot_ref[b]
-            first = row0 == seq_start
-            block_end = jnp.minimum(row0 + block_t, seq_end)
+            def rows_step(j, carry):
+                window, current = carry  # the K-1 inputs before this step's rows; its rows
+                step_row = row0 + j * unroll_t
+                # The next step's loads go out before this step's stores: a store may alias
+                # a later load as far as the compiler knows, so loads issued after stores
+                # would each wait for the one before. Past the block they are masked off.
+                upcoming = load_rows(step_row + unroll_t)
+                taps_all = window + current
+                for r in range(unroll_t):
+                    row = step_row + r
+                    taps = taps_all[r : r + width]
+                    # Bias first, then one fused multiply-add per tap.
+                    y = bias
+                    for tap, w in zip(taps, weights, strict=True):
+                        y = tap * w if y is None else y + tap * w
+                    y = _activate(y, activation, approx_tanh=approx_tanh)
+                    plgpu.store(
+                        y_ref.at[jnp.minimum(row, num_tokens - 1), y_cols],
+                        y.astype(y_ref.dtype),
+                        mask=d_live & (row < block_end),
+                    )
+                return taps_all[len(taps_all) - (width - 1) :], upcoming
 
-            # A padding sequence (slot -1) reads nothing and writes zero rows.
-            pl.when(slot < 0)(lambda: zero_rows(row0, block_end))
+            num_steps = pl.cdiv(block_end - row0, unroll_t)
+            jax.lax.fori_loop(0, num_steps, rows_step, (window, load_rows(row0)))
 
-            @pl.when(slot >= 0)
+            # New state: the last K-1 inputs of history ++ tokens.
+            @pl.when(first)
             def _():
-                convolve_block(row0, block_end, seq_start, seq_end, slot, first, b)
+                length = seq_end - seq_start
+                for j in range(width - 1):
+                    t = length - (width - 1) + j  # position in the sequence, < 0: history
+                    column = x_row(seq_start + t, t >= 0)
+                    for h in range(width - 1):
+                        column = column + jnp.where(length + j == h, history[h], 0.0)
+                    plgpu.store(
+                        cache_ref.at[slot, static_index(j), cols],
+                        column.astype(cache_ref.dtype),
+                        mask=d_live,
+                    )
 
-    # Programs past the table zero the bucket rows no sequence owns: [qsl[-1], T).
-    @pl.when(i >= num_blocks)
-    def _tail():
-        for_each_tail_block(
-            lambda row0: zero_rows(row0, num_tokens),
-            total=qsl_ref[qsl_ref.shape[0] - 1],
-            num_rows=num_tokens,
-            block=block_t,
-            program=i - num_blocks,
-            num_programs=_TAIL_PROGRAMS,
-        )
+        @pl.when(i < num_blocks)
+        def _block():
+            b = block_seq_ref[i]
+
+            @pl.when(b >= 0)
+            def _():
+                row0 = block_row_ref[i]
+                seq_start, seq_end = qsl_ref[b], qsl_ref[b + 1]
+                slot = slot_ref[b]
+                first = row0 == seq_start
+                block_end = jnp.minimum(row0 + block_t, seq_end)
+
+                # A padding sequence (slot -1) reads nothing and writes zero rows.
+                pl.when(slot < 0)(lambda: zero_rows(row0, block_end))
+
+                @pl.when(slot >= 0)
+                def _():
+                    convolve_block(row0, block_end, seq_start, seq_end, slot, first, b)
+
+        # Programs past the table zero the bucket rows no sequence owns: [qsl[-1], T).
+        @pl.when(i >= num_blocks)
+        def _tail():
+            for_each_tail_block(
+                lambda row0: zero_rows(row0, num_tokens),
+                total=qsl_ref[qsl_ref.shape[0] - 1],
+                num_rows=num_tokens,
+                block=block_t,
+                program=i - num_blocks,
+                num_programs=_TAIL_PROGRAMS,
+            )
+
+    if split is None:
+        run(y_refs[0], d0)
+    else:
+        # Channels [0, split) go to the first output, the rest to the second. ``split`` is
+        # a multiple of ``block_d``, so each program writes one output; the branch is per
+        # program, outside the row loop (a store behind a branch inside the loop would keep
+        # the compiler from issuing the next rows' loads ahead of it).
+        pl.when(d0 < split)(lambda: run(y_refs[0], d0))
+        pl.when(d0 >= split)(lambda: run(y_refs[1], d0 - split))
 
 
-def _prefill(
+def prefill(
     x: jax.Array,
     weight: jax.Array,
     bias: jax.Array | None,
@@ -286,9 +304,14 @@ def _prefill(
     activation: str | None,
     config: BlockSizes,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array]:
-    num_tokens, dim = x.shape
-    width = weight.shape[1]
+    x_col0: int = 0,
+    split: int | None = None,
+) -> tuple[jax.Array, ...]:
+    """``(y[T, dim], new_conv_state_cache)``; ``x`` may be wider, the conv's channels at
+    columns ``x_col0 .. x_col0 + dim``; with ``split``, y comes as two arrays, its
+    channels before ``split`` and from it on (``split`` a multiple of ``block_d``)."""
+    num_tokens = x.shape[0]
+    dim, width = weight.shape
     num_seqs = slot_ids.shape[0]
     block_t, unroll_t, block_d = config.block_t, config.unroll_t, config.block_d
     num_blocks = pl.cdiv(num_tokens, block_t) + num_seqs
@@ -307,9 +330,14 @@ def _prefill(
         conv_state_cache,
     )
     cache_index = sum(a is not None for a in args) - 1
+    if split is not None and (split % block_d or not 0 < split < dim):
+        raise ValueError(f"{split=} must be a multiple of block_d={block_d} inside (0, {dim})")
+    widths = (dim,) if split is None else (split, dim - split)
     return pl.pallas_call(
         functools.partial(
             _prefill_kernel,
+            x_col0=x_col0,
+            split=split,
             width=width,
             block_t=block_t,
             unroll_t=unroll_t,
@@ -320,13 +348,14 @@ def _prefill(
         # Channel blocks vary fastest: programs in flight together read whole rows.
         grid=(pl.cdiv(dim, block_d), num_blocks + _TAIL_PROGRAMS),
         out_shape=(
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            *(jax.ShapeDtypeStruct((num_tokens, n), x.dtype) for n in widths),
             jax.ShapeDtypeStruct(conv_state_cache.shape, conv_state_cache.dtype),
         ),
-        input_output_aliases={cache_index: 1},
+        input_output_aliases={cache_index: len(widths)},
         compiler_params=compiler_params(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
-        name=f"causal_conv1d_k{width}_bt{block_t}_ut{unroll_t}_bd{block_d}",
+        name=f"causal_conv1d_k{width}_bt{block_t}_ut{unroll_t}_bd{block_d}"
+        + ("" if split is None else f"_split{split}"),
     )(*args)
 
 
@@ -616,7 +645,7 @@ def _differentiable(activation: str | None, config: BlockSizes, interpret: bool)
 
     @jax.custom_vjp
     def conv(x, weight, bias, query_start_loc, conv_state_cache, slot_ids, has_initial_state):
-        return _prefill(
+        return prefill(
             x,
             weight,
             bias,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -32,6 +33,87 @@ MAMBA2_DECODE = Op(
         Backend("xla", reference.mamba2_decode),
     ),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedMixer:
+    """Static facts of a Mamba2 mixer call on in_proj's packed rows, checked."""
+
+    num_slots: int  # S, the caches' slots
+    d_inner: int  # H P
+    num_groups: int  # G
+    dt_limit: tuple[float, float]
+    norm_group_size: int
+
+
+def check_packed_mixer(
+    zxbcdt: jax.Array,
+    conv_state_cache: jax.Array,
+    conv_weight: jax.Array,
+    conv_bias: jax.Array | None,
+    ssm_state_cache: jax.Array,
+    A: jax.Array,
+    *,
+    D: jax.Array | None,
+    dt_bias: jax.Array | None,
+    dt_limit: tuple[float, float],
+    norm_weight: jax.Array | None,
+    norm_group_size: int | None,
+    norm_eps: float,
+    rows: str,
+) -> PackedMixer:
+    """The checks :func:`mamba2_decode` and ``mamba2_prefill`` share: the caches, the conv
+    weight (which gives G), ``zxbcdt[rows, 2 H P + 2 G N + H]``, the SSM's parameters and
+    the norm's (``rows``: the row axis' letter in messages). Raises ``ValueError`` naming
+    the argument."""
+    checks.check_floating("ssm_state_cache", ssm_state_cache)
+    if ssm_state_cache.ndim != 4:
+        raise ValueError(
+            f"ssm_state_cache must have shape [S, H, P, N], got {ssm_state_cache.shape}"
+        )
+    S, H, P, N = ssm_state_cache.shape
+    d_inner = H * P
+    if conv_weight.ndim != 2:
+        raise ValueError(f"conv_weight must have shape [conv_dim, K], got {conv_weight.shape}")
+    conv_dim = conv_weight.shape[0]
+    gn2 = conv_dim - d_inner
+    if gn2 <= 0 or gn2 % (2 * N) or H % (gn2 // (2 * N)):
+        raise ValueError(
+            f"conv_weight must have shape [conv_dim, K] with conv_dim = H P + 2 G N "
+            f"(H={H}, P={P}, N={N}, G dividing H), got {conv_weight.shape}"
+        )
+    G = gn2 // (2 * N)
+    if check_weights_and_cache(conv_weight, conv_bias, conv_state_cache, conv_dim) != S:
+        raise ValueError(
+            f"conv_state_cache and ssm_state_cache must have the same slots S, got "
+            f"{conv_state_cache.shape[0]} and {S}"
+        )
+    checks.check_floating("zxbcdt", zxbcdt)
+    width = d_inner + conv_dim + H
+    if zxbcdt.ndim != 2 or zxbcdt.shape[1] != width:
+        raise ValueError(
+            f"zxbcdt must have shape [{rows}, 2 H P + 2 G N + H] = ({rows}, {width}), "
+            f"got {zxbcdt.shape}"
+        )
+    num_rows = zxbcdt.shape[0]
+
+    def split(*shape: int) -> jax.ShapeDtypeStruct:
+        """A piece of the split row, for the SSM's own checks (A, D, dt_bias, dt_limit)."""
+        return jax.ShapeDtypeStruct(shape, zxbcdt.dtype)
+
+    dt_limit = checks.check_ssm_inputs(
+        split(num_rows, H, P), split(num_rows, H), A, split(num_rows, G, N),
+        split(num_rows, G, N), D=D, z=None, dt_bias=dt_bias, dt_limit=dt_limit, rows=rows,
+    )  # fmt: skip
+    if norm_group_size is None:
+        norm_group_size = d_inner // G
+    if norm_weight is not None:
+        checks.check_shape("norm_weight", norm_weight, (d_inner,), "[d_inner]")
+        if norm_group_size < 1 or d_inner % norm_group_size:
+            raise ValueError(f"{norm_group_size=} must be >= 1 and divide d_inner={d_inner}")
+        if not norm_eps >= 0:
+            raise ValueError(f"{norm_eps=} must be >= 0")
+    return PackedMixer(S, d_inner, G, dt_limit, int(norm_group_size))
 
 
 def mamba2_decode(
@@ -95,66 +177,26 @@ def mamba2_decode(
     conv_bias, D, dt_bias, norm_weight = (
         None if a is None else jnp.asarray(a) for a in (conv_bias, D, dt_bias, norm_weight)
     )
-    checks.check_floating("ssm_state_cache", ssm_state_cache)
-    if ssm_state_cache.ndim != 4:
-        raise ValueError(
-            f"ssm_state_cache must have shape [S, H, P, N], got {ssm_state_cache.shape}"
-        )
-    S, H, P, N = ssm_state_cache.shape
-    d_inner = H * P
-    if conv_weight.ndim != 2:
-        raise ValueError(f"conv_weight must have shape [conv_dim, K], got {conv_weight.shape}")
-    conv_dim = conv_weight.shape[0]
-    gn2 = conv_dim - d_inner
-    if gn2 <= 0 or gn2 % (2 * N) or H % (gn2 // (2 * N)):
-        raise ValueError(
-            f"conv_weight must have shape [conv_dim, K] with conv_dim = H P + 2 G N "
-            f"(H={H}, P={P}, N={N}, G dividing H), got {conv_weight.shape}"
-        )
-    G = gn2 // (2 * N)
-    if check_weights_and_cache(conv_weight, conv_bias, conv_state_cache, conv_dim) != S:
-        raise ValueError(
-            f"conv_state_cache and ssm_state_cache must have the same slots S, got "
-            f"{conv_state_cache.shape[0]} and {S}"
-        )
-    checks.check_floating("zxbcdt", zxbcdt)
-    if zxbcdt.ndim != 2 or zxbcdt.shape[1] != d_inner + conv_dim + H:
-        raise ValueError(
-            f"zxbcdt must have shape [Bd, 2 H P + 2 G N + H] = (Bd, {d_inner + conv_dim + H}), "
-            f"got {zxbcdt.shape}"
-        )
-    Bd = zxbcdt.shape[0]
-
-    def split(*shape: int) -> jax.ShapeDtypeStruct:
-        """A piece of the split row, for the SSM's own checks (A, D, dt_bias, dt_limit)."""
-        return jax.ShapeDtypeStruct(shape, zxbcdt.dtype)
-
-    dt_limit = checks.check_ssm_inputs(
-        split(Bd, H, P), split(Bd, H), A, split(Bd, G, N), split(Bd, G, N),
-        D=D, z=None, dt_bias=dt_bias, dt_limit=dt_limit, rows="Bd",
+    mixer = check_packed_mixer(
+        zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A,
+        D=D, dt_bias=dt_bias, dt_limit=dt_limit, norm_weight=norm_weight,
+        norm_group_size=norm_group_size, norm_eps=norm_eps, rows="Bd",
     )  # fmt: skip
-    if norm_group_size is None:
-        norm_group_size = d_inner // G
-    if norm_weight is not None:
-        checks.check_shape("norm_weight", norm_weight, (d_inner,), "[d_inner]")
-        if norm_group_size < 1 or d_inner % norm_group_size:
-            raise ValueError(f"{norm_group_size=} must be >= 1 and divide d_inner={d_inner}")
-        if not norm_eps >= 0:
-            raise ValueError(f"{norm_eps=} must be >= 0")
+    Bd, S, d_inner = zxbcdt.shape[0], mixer.num_slots, mixer.d_inner
     checked_slot_ids = checks.check_slot_ids(slot_ids, Bd, S, "[Bd]")
     if validate:
         checks.validate_slot_ids(slot_ids, S)
     call = Call(
         (zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A),
         dict(
-            num_groups=G,
+            num_groups=mixer.num_groups,
             slot_ids=checked_slot_ids,
             D=D,
             dt_bias=dt_bias,
             dt_softplus=bool(dt_softplus),
-            dt_limit=dt_limit,
+            dt_limit=mixer.dt_limit,
             norm_weight=norm_weight,
-            norm_group_size=int(norm_group_size),
+            norm_group_size=mixer.norm_group_size,
             norm_eps=float(norm_eps),
             norm_before_gate=bool(norm_before_gate),
         ),

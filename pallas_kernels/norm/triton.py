@@ -56,8 +56,9 @@ def default_block_sizes(group_size: int) -> BlockSizes:
 
 def _kernel(
     x_ref,  # [T, Dm]
-    z_ref,  # [T, Dm] or None
+    z_ref,  # [T, ≥ Dm] or None
     w_ref,  # [Dm]
+    live_ref,  # [T] int32 or None: rows where 0 gives y = 0
     y_ref,  # [T, Dm]
     *,
     group_size: int,
@@ -85,6 +86,9 @@ def _kernel(
     y = u * inv_rms[:, None] * w[None, :]
     if gate is not None and norm_before_gate:
         y = y * gate
+    if live_ref is not None:
+        live = plgpu.load(live_ref.at[rows], mask=row_live, other=0) != 0
+        y = jnp.where(live[:, None], y, 0.0)
     plgpu.store(y_ref.at[rows, cols], y.astype(y_ref.dtype), mask=tile)
 
 
@@ -97,11 +101,13 @@ def forward(
     eps: float,
     norm_before_gate: bool,
     config: BlockSizes,
+    live_rows: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The norm without its VJP: ``y[T, Dm]`` of ``x[T, Dm]``. ``z`` may be wider than x,
-    its first ``Dm`` columns the gate (the fused Mamba2 decode step passes in_proj's packed
-    ``z | xBC | dt`` rows, whose z comes first)."""
+    its first ``Dm`` columns the gate (the fused Mamba2 steps pass in_proj's packed
+    ``z | xBC | dt`` rows, whose z comes first). ``live_rows[T]``: rows where it is 0 give
+    0, whatever x and z hold (a select, not a product)."""
     num_rows, dim = x.shape
     blocks = config
     return pl.pallas_call(
@@ -117,7 +123,7 @@ def forward(
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name=f"gated_rms_norm_gs{group_size}_rows{blocks.block_rows}",
-    )(x, z, weight)
+    )(x, z, weight, None if live_rows is None else live_rows.astype(jnp.int32))
 
 
 def _backward_kernel(

@@ -133,7 +133,7 @@ def ssd_scan(
     T, H, P = x.shape
     N = B.shape[2]
     num_seqs = metadata.last_chunk_indices.shape[0]
-    _check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
+    check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
     if initial_states is not None:
         checks.check_floating("initial_states", initial_states)
         checks.check_shape("initial_states", initial_states, (num_seqs, H, P, N), "[B, H, P, N]")
@@ -161,7 +161,7 @@ def ssd_scan(
     elif slot_ids is not None or has_initial_state is not None:
         raise ValueError("slot_ids and has_initial_state go with state_cache")
     if validate:
-        _validate_metadata(metadata, num_tokens=T, chunk_size=chunk_size)
+        validate_metadata(metadata, num_tokens=T, chunk_size=chunk_size)
 
     def empty() -> tuple[jax.Array, jax.Array]:
         """No tokens: y is empty; final states are the initial ones, chunk states 0."""
@@ -198,11 +198,18 @@ def ssd_scan(
 def _zero_padding_rows(y: jax.Array, metadata: ChunkMetadata, slot_ids: jax.Array) -> jax.Array:
     """``y[T, H, P]`` with the rows of padding sequences (checked slot -1) set to 0: a
     sequence without a slot is padding, whatever its length."""
-    rows = jnp.arange(y.shape[0], dtype=jnp.int32)
+    live = live_rows(y.shape[0], metadata, slot_ids)
+    return jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype))
+
+
+def live_rows(num_tokens: int, metadata: ChunkMetadata, slot_ids: jax.Array) -> jax.Array:
+    """bool[T]: the rows of sequences with a slot (checked ``slot_ids``, -1 padding); rows
+    of padding sequences and bucket rows past the chunks are False."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
     chunk = search_sorted(metadata.cu_chunk_seqlens, rows, side="right").astype(jnp.int32) - 1
     seq = metadata.seq_idx[jnp.clip(chunk, 0, metadata.max_chunks - 1)]
-    live = (seq >= 0) & (slot_ids[jnp.maximum(seq, 0)] >= 0)
-    return jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype))
+    owned = rows < metadata.cu_chunk_seqlens[-1]
+    return owned & (seq >= 0) & (slot_ids[jnp.maximum(seq, 0)] >= 0)
 
 
 def gather_states(
@@ -223,7 +230,7 @@ def scatter_states(state_cache: jax.Array, states: jax.Array, slot_ids: jax.Arra
     return state_cache.at[index].set(states.astype(state_cache.dtype), mode="drop")
 
 
-def _check_metadata(
+def check_metadata(
     metadata: ChunkMetadata, *, num_tokens: int, num_seqs: int, chunk_size: int
 ) -> None:
     """Static checks: the metadata was built for this chunk size, with enough chunk slots."""
@@ -250,7 +257,7 @@ def _check_metadata(
         )
 
 
-def _validate_metadata(metadata: ChunkMetadata, *, num_tokens: int, chunk_size: int) -> None:
+def validate_metadata(metadata: ChunkMetadata, *, num_tokens: int, chunk_size: int) -> None:
     """Host-side consistency checks of a ``ChunkMetadata``."""
     cu = checks.host_values("metadata.cu_chunk_seqlens", metadata.cu_chunk_seqlens)
     seq = checks.host_values("metadata.seq_idx", metadata.seq_idx)

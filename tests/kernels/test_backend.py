@@ -20,6 +20,7 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.backend import Backend, Call, Op
 from pallas_kernels.conv1d import api as conv_api
 from pallas_kernels.mamba_decode import api as mamba_decode_api
+from pallas_kernels.mamba_prefill import api as mamba_prefill_api
 from pallas_kernels.norm import api as norm_api
 from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.ssd import api as ssd_api
@@ -398,13 +399,15 @@ def test_mosaic_attention_names_what_it_cannot_serve():
         attention_api.WRITE_KV,
         norm_api.GATED_RMS_NORM,
         mamba_decode_api.MAMBA2_DECODE,
+        mamba_prefill_api.MAMBA2_PREFILL,
     ],
     ids=lambda op: op.name,
 )
 def test_every_op_has_xla_last_and_pallas_backends_take_configs(op):
     """xla serves every call, so auto always finds a backend; it comes last (the Pallas
     kernels are preferred where they run) and takes no block sizes; every Pallas backend
-    but ``write_kv``'s (a copy) does (``mamba2_decode``'s: its three kernels' own)."""
+    but ``write_kv``'s (a copy) does (``mamba2_decode``'s and ``mamba2_prefill``'s: their
+    kernels' own)."""
     assert op.names[-1] == "xla" and op.backend("xla").config_type is None
     assert len(set(op.names)) == len(op.names)
     for backend in op.backends[:-1]:

@@ -646,6 +646,7 @@ def _ops_taking_slot_ids(rng: np.random.Generator) -> dict[str, Callable]:
     k_cache, v_cache = caches(3, 8, 1, 16), caches(3, 8, 1, 16)
     conv_dim = H * P + 2 * N
     mixer_conv_cache, mixer_weight = caches(3, K - 1, conv_dim), f32(conv_dim, K)
+    prefill_rows = f32(T, H * P + conv_dim + H)
     conv_x, conv_weight = f32(T, dim), f32(dim, K)
     metadata = pk.chunk_metadata(
         qsl, np.zeros(2, np.int32), chunk_size=4, max_chunks=pk.max_chunks_for(T, 2, 4)
@@ -682,6 +683,11 @@ def _ops_taking_slot_ids(rng: np.random.Generator) -> dict[str, Callable]:
             np.ones((2, 2 * H * P + 2 * N + H), np.float32), mixer_conv_cache, mixer_weight,
             None, ssm_cache, A, slot_ids=slots, dt_limit=dt_limit, validate=validate,
             implementation="xla",
+        ),
+        "mamba2_prefill": lambda slots, validate: pk.mamba2_prefill(
+            prefill_rows, mixer_conv_cache, mixer_weight, None, ssm_cache, A,
+            metadata=metadata, chunk_size=4, slot_ids=slots, dt_limit=dt_limit,
+            validate=validate, implementation="xla", **first,
         ),
     }  # fmt: skip
 
