@@ -13,7 +13,9 @@ otherwise; later blocks from the sequence's own earlier tokens. The first block 
 writes the sequence's new conv state (its last ``K−1`` inputs, shifted together with the
 old state when the sequence is shorter), so the only program that reads a slot's state is
 the one that overwrites it: no race between programs. A few extra programs past the table
-zero the bucket rows no sequence owns.
+zero the bucket rows no sequence owns. For the fused Mamba2 prefill (``mamba_prefill``) the
+kernel reads its channels at a column offset of in_proj's packed rows and writes its output
+as two arrays split at a channel (x and ``B | C``): each program writes one of them.
 
 Decode (``causal_conv1d_update``): one program per (row, channel block) keeps the ``K−1``
 column window in registers, advances it over the row's ``L`` tokens and writes it back
