@@ -7,7 +7,7 @@ call's ``implementation`` names (Mosaic GPU where it serves, on a Hopper GPU und
   as two arrays, x and ``B | C``, so x reaches the scan as ``[T, H, P]`` by a bitcast;
 - the scan continues from and writes back to the state cache as ``ssd_scan`` does;
 - the gated norm (``norm.triton``) reads z where it lies and gives 0 on the rows of
-  padding sequences.
+  padding sequences (without a norm, as in Falcon-H1's mixer, a select over y does).
 
 Equal to the three ops on the split rows; what it saves are three column copies XLA makes
 before Pallas kernels (in_proj's z and xBC, the conv output's x) and the pass that zeroes
