@@ -115,6 +115,7 @@ def oracle(arrays, *, groups, norm_weight, norm_group_size=None, norm_before_gat
     dead = dead_rows(T, qsl, slots)
     xbc = np.where(dead[:, None], 0.0, xbc)  # the padding rows' NaN stays out of the oracle
     dt = np.where(dead[:, None], 0.0, dt)
+    z = np.where(dead[:, None], 0.0, z)
     y, final = ssd_oracle(
         xbc[:, :d_inner].reshape(T, H, P), dt, a["A"],
         xbc[:, d_inner : d_inner + gn].reshape(T, groups, N),
@@ -129,7 +130,7 @@ def oracle(arrays, *, groups, norm_weight, norm_group_size=None, norm_before_gat
     y = y.reshape(T, d_inner)
     if norm_weight is not None:
         y = gated_rms_norm_oracle(
-            y, np.where(dead[:, None], 0.0, z), norm_weight,
+            y, z, norm_weight,
             group_size=norm_group_size or d_inner // groups, norm_before_gate=norm_before_gate,
         )  # fmt: skip
     return np.where(dead[:, None], 0.0, y), conv_cache, ssm_cache
