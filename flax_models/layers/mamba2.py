@@ -17,8 +17,8 @@ from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import linear_kwargs, scaled
 from flax_models.sharding import TP, mamba_cache_spec, psum_tp, shard_call, tp_size
-from pallas_kernels._common import search_sorted, silu
-from pallas_kernels.ssd.api import gather_states, scatter_states
+from pallas_kernels._common import silu
+from pallas_kernels.ssd.api import gather_states, live_rows, scatter_states, write_final_states
 
 
 class Mamba2Mixer(nnx.Module):
@@ -430,15 +430,10 @@ class Mamba2Mixer(nnx.Module):
             state_dtype=cache.ssm_state.dtype,
             **scan,
         )
-        last = chunks.last_chunk_indices
-        ssm_state = scatter_states(
-            cache.ssm_state, states[jnp.maximum(last, 0)], jnp.where(last >= 0, slot_ids, -1)
-        )
+        final = states[jnp.maximum(chunks.last_chunk_indices, 0)]
+        ssm_state = write_final_states(cache.ssm_state, final, chunks, slot_ids)
         # Rows of padding sequences give 0, as the state_cache path does.
-        rows = jnp.arange(y.shape[0])
-        qsl = batch.prefill_query_start_loc
-        seq = jnp.minimum(search_sorted(qsl[1:], rows, side="right"), slot_ids.shape[0] - 1)
-        live = (rows < qsl[-1]) & (slot_ids[seq] >= 0)
+        live = live_rows(y.shape[0], chunks, slot_ids)
         y = jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype)).reshape(y.shape[0], -1)
         snapshot_conv, snapshot_ssm = self._prefill_snapshots(
             batch, conv_inputs, conv_before, states, cache

@@ -10,7 +10,7 @@ from pallas_kernels.conv1d import reference as conv
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.norm import reference as norm
 from pallas_kernels.ssd import reference as ssd
-from pallas_kernels.ssd.api import gather_states, live_rows, scatter_states
+from pallas_kernels.ssd.api import gather_states, live_rows, write_final_states
 
 
 def scan_with_cache(
@@ -43,8 +43,7 @@ def scan_with_cache(
         state_dtype=ssm_state_cache.dtype,
         **options,
     )
-    writes = jnp.where(metadata.last_chunk_indices >= 0, slot_ids, -1)
-    return y, scatter_states(ssm_state_cache, states, writes)
+    return y, write_final_states(ssm_state_cache, states, metadata, slot_ids)
 
 
 def mamba2_prefill(

@@ -189,10 +189,8 @@ def ssd_scan(
     y, states = SSD_SCAN.run(call, implementation, config)
     if slots is None:
         return y, states
-    # A sequence without new tokens writes nothing (as in causal_conv1d): its slot, and the
-    # whole cache of an empty batch, come back bit-identical.
-    writes = jnp.where(metadata.last_chunk_indices >= 0, slots, -1)
-    return _zero_padding_rows(y, metadata, slots), scatter_states(state_cache, states, writes)
+    new_cache = write_final_states(state_cache, states, metadata, slots)
+    return _zero_padding_rows(y, metadata, slots), new_cache
 
 
 def _zero_padding_rows(y: jax.Array, metadata: ChunkMetadata, slot_ids: jax.Array) -> jax.Array:
@@ -221,6 +219,17 @@ def gather_states(
     live = has_initial_state.astype(bool) & (slot_ids >= 0)
     gathered = state_cache[slot_gather_index(slot_ids)].astype(jnp.float32)
     return jnp.where(live[:, None, None, None], gathered, 0.0)
+
+
+def write_final_states(
+    state_cache: jax.Array, states: jax.Array, metadata: ChunkMetadata, slot_ids: jax.Array
+) -> jax.Array:
+    """``state_cache`` with each sequence's final state ``states[b]`` written to its slot
+    (checked ``slot_ids``). A sequence without new tokens writes nothing (as in
+    ``causal_conv1d``): its slot, and the whole cache of an empty batch, come back
+    bit-identical."""
+    writes = jnp.where(metadata.last_chunk_indices >= 0, slot_ids, -1)
+    return scatter_states(state_cache, states, writes)
 
 
 def scatter_states(state_cache: jax.Array, states: jax.Array, slot_ids: jax.Array) -> jax.Array:
