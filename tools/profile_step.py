@@ -1,14 +1,15 @@
 """Where one serving step's device time goes, kernel by kernel (GPU).
 
 ``PYTHONPATH=. python3 tools/profile_step.py [--model bamba-9b] [--pattern MMMM*] [--rows 256]``
-``[--context 4096] [--prompt 0] [--impl auto] [--tp 1] [--top 25] [--trace-dir DIR]``
-``[--timeline] [--host]``
+``[--context 4096] [--prompt 0] [--prompts N,N,...] [--bucket-policy P] [--impl auto]``
+``[--tp 1] [--top 25] [--trace-dir DIR] [--timeline] [--host]``
 
 Builds a model of one of ``benchmarks.model``'s shapes (Bamba-9B by default) with the given
 layer pattern (random init, bf16; a few
 layers stand for the 32, each layer kind costing the same per layer), one engine step of
 ``rows`` sequences (decode rows with ``context`` cached tokens, or ``--prompt N`` new tokens
-per sequence), times it, then runs it under ``jax.profiler`` with a Perfetto trace and sums
+per sequence, or ``--prompts`` of the given lengths in the engine's default token buckets),
+times it, then runs it under ``jax.profiler`` with a Perfetto trace and sums
 the device ops' time by name. Nsight Systems does not run on the GPU machines; this does.
 """
 
@@ -28,11 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels as pk
 from benchmarks import harness
 from benchmarks.model import MODELS, _mesh
 from flax_models.batching import Request
 from flax_models.engine import Engine
 from flax_models.model import HybridLM
+from pallas_kernels.metadata import TOKEN_BUCKET_POLICIES
 
 
 def trace_events(trace_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -114,6 +117,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=0, help="new tokens per sequence")
+    parser.add_argument(
+        "--prompts",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=None,
+        help="a ragged prefill: comma-separated prompt lengths (overrides --rows, --prompt)",
+    )
+    parser.add_argument(
+        "--bucket-policy",
+        choices=TOKEN_BUCKET_POLICIES,
+        default=None,
+        help="--prompts' token buckets (pk.token_buckets' policy; the engine's by default)",
+    )
     parser.add_argument("--impl", default="auto")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel over N devices")
     parser.add_argument("--top", type=int, default=25)
@@ -132,7 +147,23 @@ def main() -> None:
         cfg, dtype=jnp.bfloat16, implementation=args.impl, rngs=nnx.Rngs(0), mesh=_mesh(args.tp)
     )
     rng = np.random.default_rng(0)
-    if args.prompt:
+    if args.prompts:
+        args.rows, args.prompt = len(args.prompts), max(args.prompts)
+        engine = Engine(
+            model,
+            max_slots=args.rows,
+            max_len=args.prompt,
+            token_budget=sum(args.prompts),
+            decode_buckets=(args.rows,),
+            token_buckets=(
+                None
+                if args.bucket_policy is None
+                else pk.token_buckets(sum(args.prompts), policy=args.bucket_policy)
+            ),
+        )
+        prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in args.prompts]
+        arrays = engine.builder.build([], [Request(s, p, 0) for s, p in enumerate(prompts)])
+    elif args.prompt:
         tokens = args.rows * args.prompt
         engine = Engine(
             model,
@@ -168,6 +199,8 @@ def main() -> None:
         launches.append((time.perf_counter() - start) * 1e3)
         jax.block_until_ready(logits)
     kind = f"prefill {args.rows}x{args.prompt}" if args.prompt else f"decode {args.rows} rows"
+    if args.prompts:
+        kind = f"prefill of {arrays.num_tokens} tokens in a {arrays.bucket[1]}-token bucket"
     print(
         f"{args.model} {args.pattern} {args.impl} tp={args.tp} {kind}, context {args.context}: "
         f"{chained.median_ms:.3f} ms a step back to back, {waited.median_ms:.3f} ms waiting "

@@ -165,7 +165,7 @@ class Mamba2Mixer(nnx.Module):
             self.conv_weight[...],
             self._conv_bias(),
             cache.ssm_state,
-            self._A(),
+            self._A_log(),
             slot_ids=batch.slot_ids[: batch.num_decode],
             **self._norm_params(norm),
             **self._ssm_params(),
@@ -195,7 +195,7 @@ class Mamba2Mixer(nnx.Module):
             self.conv_weight[...],
             self._conv_bias(),
             cache.ssm_state,
-            self._A(),
+            self._A_log(),
             query_start_loc=batch.prefill_query_start_loc,
             metadata=batch.chunks,
             chunk_size=cfg.mamba_chunk_size,
@@ -328,8 +328,14 @@ class Mamba2Mixer(nnx.Module):
             implementation=self.implementation,
         )
 
+    def _A_log(self) -> jax.Array:
+        """A_log[H] in fp32: the fused ops (``mamba2_decode``, ``mamba2_prefill``) take it
+        as held and form A themselves."""
+        return self.A_log[...].astype(jnp.float32)
+
     def _A(self) -> jax.Array:
-        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+        """A[H] = -exp(A_log), for the split ops."""
+        return -jnp.exp(self._A_log())
 
     def _conv_bias(self) -> jax.Array | None:
         return None if self.conv_bias is None else self.conv_bias[...]

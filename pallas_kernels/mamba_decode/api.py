@@ -52,7 +52,7 @@ def check_packed_mixer(
     conv_weight: jax.Array,
     conv_bias: jax.Array | None,
     ssm_state_cache: jax.Array,
-    A: jax.Array,
+    A_log: jax.Array,
     *,
     D: jax.Array | None,
     dt_bias: jax.Array | None,
@@ -63,9 +63,9 @@ def check_packed_mixer(
     rows: str,
 ) -> PackedMixer:
     """The checks :func:`mamba2_decode` and ``mamba2_prefill`` share: the caches, the conv
-    weight (which gives G), ``zxbcdt[rows, 2 H P + 2 G N + H]``, the SSM's parameters and
-    the norm's (``rows``: the row axis' letter in messages). Raises ``ValueError`` naming
-    the argument."""
+    weight (which gives G), ``zxbcdt[rows, 2 H P + 2 G N + H]``, the SSM's parameters
+    (``A_log[H]`` among them) and the norm's (``rows``: the row axis' letter in messages).
+    Raises ``ValueError`` naming the argument."""
     checks.check_floating("ssm_state_cache", ssm_state_cache)
     if ssm_state_cache.ndim != 4:
         raise ValueError(
@@ -96,13 +96,15 @@ def check_packed_mixer(
             f"got {zxbcdt.shape}"
         )
     num_rows = zxbcdt.shape[0]
+    checks.check_floating("A_log", A_log)
+    checks.check_shape("A_log", A_log, (H,), "[H]")
 
     def split(*shape: int) -> jax.ShapeDtypeStruct:
         """A piece of the split row, for the SSM's own checks (A, D, dt_bias, dt_limit)."""
         return jax.ShapeDtypeStruct(shape, zxbcdt.dtype)
 
     dt_limit = checks.check_ssm_inputs(
-        split(num_rows, H, P), split(num_rows, H), A, split(num_rows, G, N),
+        split(num_rows, H, P), split(num_rows, H), A_log, split(num_rows, G, N),
         split(num_rows, G, N), D=D, z=None, dt_bias=dt_bias, dt_limit=dt_limit, rows=rows,
     )  # fmt: skip
     if norm_group_size is None:
@@ -122,7 +124,7 @@ def mamba2_decode(
     conv_weight: jax.Array,
     conv_bias: jax.Array | None,
     ssm_state_cache: jax.Array,
-    A: jax.Array,
+    A_log: jax.Array,
     *,
     slot_ids: jax.Array,
     D: jax.Array | None = None,
@@ -148,6 +150,9 @@ def mamba2_decode(
     With ``d_inner = H P`` and ``conv_dim = d_inner + 2 G N``, row ``r`` of ``zxbcdt`` is
     ``z[d_inner] | x[d_inner] | B[G N] | C[G N] | dt[H]``; G comes from the conv width.
     Rows whose slot is ``-1`` (or outside ``[0, S)``) read and write nothing and give 0.
+    The SSM's decay rates come as the mixer holds them, ``A_log`` (``A = -exp(A_log)``):
+    the triton backend takes the exponential in the state update's kernel rather than
+    launching one more kernel for it every step.
 
     Args:
       zxbcdt: zxbcdt[Bd, 2 d_inner + 2 G N + H], in_proj's output.
@@ -155,7 +160,7 @@ def mamba2_decode(
       conv_weight: conv_weight[conv_dim, K].
       conv_bias: conv_bias[conv_dim] or None.
       ssm_state_cache: ssm_state_cache[S, H, P, N], fp32 or bf16, updated functionally.
-      A: A[H].
+      A_log: A_log[H], the state's decay rates as ``A = -exp(A_log)``.
       slot_ids: int32[Bd], the cache slot of each row (both caches).
       D, dt_bias, dt_softplus, dt_limit: as :func:`selective_state_update`.
       norm_weight: norm_weight[d_inner], or None for no norm (z gates the state update).
@@ -170,15 +175,15 @@ def mamba2_decode(
     Returns:
       ``(y[Bd, d_inner], new_conv_state_cache, new_ssm_state_cache)``, y in zxbcdt's dtype.
     """
-    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A = (
-        jnp.asarray(a) for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A)
+    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A_log = (
+        jnp.asarray(a) for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A_log)
     )
     slot_ids = checks.slot_ids_array(slot_ids)
     conv_bias, D, dt_bias, norm_weight = (
         None if a is None else jnp.asarray(a) for a in (conv_bias, D, dt_bias, norm_weight)
     )
     mixer = check_packed_mixer(
-        zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A,
+        zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A_log,
         D=D, dt_bias=dt_bias, dt_limit=dt_limit, norm_weight=norm_weight,
         norm_group_size=norm_group_size, norm_eps=norm_eps, rows="Bd",
     )  # fmt: skip
@@ -187,7 +192,14 @@ def mamba2_decode(
     if validate:
         checks.validate_slot_ids(slot_ids, S)
     call = Call(
-        (zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A),
+        (
+            zxbcdt,
+            conv_state_cache,
+            conv_weight,
+            conv_bias,
+            ssm_state_cache,
+            A_log.astype(jnp.float32),
+        ),
         dict(
             num_groups=mixer.num_groups,
             slot_ids=checked_slot_ids,

@@ -4,6 +4,7 @@ the three ops' references on the split ``z | xBC | dt`` row."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.conv1d import reference as conv
 from pallas_kernels.norm import reference as norm
@@ -16,7 +17,7 @@ def mamba2_decode(
     conv_weight: jax.Array,
     conv_bias: jax.Array | None,
     ssm_state_cache: jax.Array,
-    A: jax.Array,
+    A_log: jax.Array,
     *,
     num_groups: int,
     slot_ids: jax.Array,
@@ -49,7 +50,7 @@ def mamba2_decode(
         ssm_state_cache,
         xbc[:, :d_inner].reshape(rows, H, P),
         dt,
-        A,
+        -jnp.exp(A_log),
         xbc[:, d_inner : d_inner + gn].reshape(rows, num_groups, N),
         xbc[:, d_inner + gn :].reshape(rows, num_groups, N),
         slot_ids=slot_ids,

@@ -69,7 +69,7 @@ def mamba2_decode(
     conv_weight: jax.Array,
     conv_bias: jax.Array | None,
     ssm_state_cache: jax.Array,
-    A: jax.Array,
+    A_log: jax.Array,
     *,
     num_groups: int,
     slot_ids: jax.Array,
@@ -105,7 +105,7 @@ def mamba2_decode(
         ssm_state_cache,
         xbc,
         zxbcdt,
-        A,
+        A_log,
         xbc,
         xbc,
         z=zxbcdt if gate_in_state_update else None,
@@ -119,6 +119,7 @@ def mamba2_decode(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
         config=config.state_update,
+        A_is_log=True,
         interpret=interpret,
     )
     y = y.reshape(rows, d_inner)

@@ -45,7 +45,7 @@ def mamba2_prefill(
     conv_weight: jax.Array,
     conv_bias: jax.Array | None,
     ssm_state_cache: jax.Array,
-    A: jax.Array,
+    A_log: jax.Array,
     *,
     query_start_loc: jax.Array,
     metadata: ChunkMetadata,
@@ -77,7 +77,9 @@ def mamba2_prefill(
     ``z[d_inner] | x[d_inner] | B[G N] | C[G N] | dt[H]``; G comes from the conv width.
     Rows of padding sequences (slot ``-1``, or outside ``[0, S)``) and rows past
     ``query_start_loc[-1]`` give 0 whatever they hold; padding sequences read and write no
-    cache line. Differentiable in the arrays (not the layout arguments).
+    cache line. The decay rates come as the mixer holds them, ``A_log`` (``A =
+    -exp(A_log)``), as :func:`mamba2_decode` takes them. Differentiable in the arrays (not
+    the layout arguments).
 
     Args:
       zxbcdt: zxbcdt[T, 2 d_inner + 2 G N + H], in_proj's output.
@@ -85,7 +87,7 @@ def mamba2_prefill(
       conv_weight: conv_weight[conv_dim, K].
       conv_bias: conv_bias[conv_dim] or None.
       ssm_state_cache: ssm_state_cache[S, H, P, N], fp32 or bf16, updated functionally.
-      A: A[H].
+      A_log: A_log[H], the state's decay rates as ``A = -exp(A_log)``.
       query_start_loc: int32[B + 1], as :func:`causal_conv1d`.
       metadata, chunk_size: the chunk layout, as :func:`ssd_scan`.
       slot_ids: int32[B], each sequence's slot in both caches (-1: padding).
@@ -104,8 +106,8 @@ def mamba2_prefill(
     Returns:
       ``(y[T, d_inner], new_conv_state_cache, new_ssm_state_cache)``, y in zxbcdt's dtype.
     """
-    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A = (
-        jnp.asarray(a) for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A)
+    zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A_log = (
+        jnp.asarray(a) for a in (zxbcdt, conv_state_cache, conv_weight, ssm_state_cache, A_log)
     )
     query_start_loc, has_initial_state = (
         jnp.asarray(a) for a in (query_start_loc, has_initial_state)
@@ -115,7 +117,7 @@ def mamba2_prefill(
         None if a is None else jnp.asarray(a) for a in (conv_bias, D, dt_bias, norm_weight)
     )
     mixer = check_packed_mixer(
-        zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A,
+        zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A_log,
         D=D, dt_bias=dt_bias, dt_limit=dt_limit, norm_weight=norm_weight,
         norm_group_size=norm_group_size, norm_eps=norm_eps, rows="T",
     )  # fmt: skip
@@ -127,6 +129,9 @@ def mamba2_prefill(
         checks.validate_query_start_loc(query_start_loc, T)
         checks.validate_slot_ids(slot_ids, S)
         validate_metadata(metadata, num_tokens=T, chunk_size=chunk_size)
+    # The backends take A: beside a prefill step's scan, one small XLA kernel for the
+    # exponential costs nothing (a decode step's kernels take A_log themselves).
+    A = -jnp.exp(A_log.astype(jnp.float32))
     call = Call(
         (zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A),
         dict(

@@ -82,9 +82,16 @@ def default_block_sizes(
     launch keeps ``_MIN_PROGRAMS`` programs: 88-89% at 64 and 256 rows (2 heads 86-87%,
     4 heads 86-88%, 8 heads at 8 warps 85-89%; benchmarks/results/nvidia_h200.json).
     With the z gate (``gated``) the 16-warp whole-head tiles fall to 74-75% of copy; half
-    heads (32 × 128) at 8 warps keep 87-88% (H200, 2026-11-27, same run)."""
+    heads (32 × 128) at 8 warps keep 87-88% (H200, 2026-11-27, same run). Below half
+    ``_MIN_PROGRAMS`` whole-head programs (a one-row step), half-head tiles."""
     block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
     programs = rows * pl.cdiv(head_dim, block_p) * num_heads
+    if programs < _MIN_PROGRAMS // 2 and block_p > 32:
+        # Too few programs to keep the loads in flight (one row: 128): half-head tiles
+        # double them. 2.61 µs against 2.88 for the one-row update of Bamba-9B's 128
+        # heads (H200, 2026-11-27, same run).
+        block_p //= 2
+        programs *= 2
     block_h = 1
     while block_h < _MAX_BLOCK_H and programs // (2 * block_h) >= _MIN_PROGRAMS:
         block_h *= 2
@@ -100,7 +107,7 @@ def _kernel(
     slot_ref,  # [Bd] int32
     x_ref,  # [Bd, ≥ columns.x + H P]
     dt_ref,  # [Bd, ≥ columns.dt + H]
-    A_ref,  # [H] fp32
+    A_ref,  # [H] fp32: A, or A_log (A = -exp(A_log)) under A_is_log
     B_ref,  # [Bd, ≥ columns.B + G N]
     C_ref,  # [Bd, ≥ columns.C + G N]
     D_ref,  # [H] or [H, P] fp32, or None
@@ -118,6 +125,7 @@ def _kernel(
     dt_limit: tuple[float, float],
     block_p: int,
     block_h: int,
+    A_is_log: bool,
 ):
     del cache_in_ref  # the same buffer as cache_ref
     r, hb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -159,7 +167,8 @@ def _kernel(
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
         )
-        decay = decay_factor(dt * A_ref[h])
+        A = -jnp.exp(A_ref[h]) if A_is_log else A_ref[h]
+        decay = decay_factor(dt * A)
         x = masked_load(x_ref.at[r, x_cols], p_live).astype(jnp.float32)
         n_live = None if exact_tile else jnp.arange(bn) < state_dim
         B_cols = pl.ds(columns.B + g * state_dim, bn)
@@ -255,12 +264,15 @@ def state_update_rows(
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     config: BlockSizes,
+    A_is_log: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The state update on row arrays: ``x``, ``dt``, ``B``, ``C``, ``z`` are ``[Bd, width]``
     arrays (possibly one and the same) holding each input at its :class:`Columns` offset.
-    The caller checks that every window lies inside its array. Returns ``(y[Bd, H, P],
-    new_state_cache)``, ``y`` in ``x``'s dtype."""
+    The caller checks that every window lies inside its array. ``A_is_log``: ``A`` holds
+    the mixer's ``A_log[H]`` and the kernel takes ``A = -exp(A_log)`` itself (computed by
+    XLA before the call, it would be a kernel launch of its own every decode step). Returns
+    ``(y[Bd, H, P], new_state_cache)``, ``y`` in ``x``'s dtype."""
     rows = x.shape[0]
     H, P, N = state_cache.shape[1:]
     blocks = config
@@ -284,6 +296,7 @@ def state_update_rows(
             dt_limit=dt_limit,
             block_p=block_p,
             block_h=blocks.block_h,
+            A_is_log=A_is_log,
         ),
         grid=(rows, pl.cdiv(H, blocks.block_h), pl.cdiv(P, block_p)),
         out_shape=(

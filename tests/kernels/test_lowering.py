@@ -182,14 +182,14 @@ def test_mamba2_decode_lowers_on_packed_rows(norm):
     S, H, P, N, G, K, R = 8, 128, 64, 128, 1, 4, 64
     conv_dim = H * P + 2 * G * N
 
-    def fn(zxbcdt, conv_cache, conv_weight, ssm_cache, A, slots, D, dt_bias, norm_weight):
+    def fn(zxbcdt, conv_cache, conv_weight, ssm_cache, A_log, slots, D, dt_bias, norm_weight):
         return mamba_decode_triton.mamba2_decode(
             zxbcdt,
             conv_cache,
             conv_weight,
             None,
             ssm_cache,
-            A,
+            A_log,
             num_groups=G,
             slot_ids=slots,
             D=D,

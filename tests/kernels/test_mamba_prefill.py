@@ -70,7 +70,7 @@ def make_step(
         conv_weight=normal(rng, (conv_dim, K), scale=0.5),
         conv_bias=normal(rng, (conv_dim,), scale=0.5) if conv_bias else None,
         ssm_state_cache=poison_slots(normal(rng, (num_slots, H, P, N)), slots),
-        A=-jnp.asarray(np.exp(rng.normal(size=H)), jnp.float32),
+        A_log=jnp.asarray(rng.normal(size=H), jnp.float32),
     )
     metadata = pk.chunk_metadata(
         jnp.asarray(qsl),
@@ -117,7 +117,7 @@ def oracle(arrays, *, groups, norm_weight, norm_group_size=None, norm_before_gat
     dt = np.where(dead[:, None], 0.0, dt)
     z = np.where(dead[:, None], 0.0, z)
     y, final = ssd_oracle(
-        xbc[:, :d_inner].reshape(T, H, P), dt, a["A"],
+        xbc[:, :d_inner].reshape(T, H, P), dt, -np.exp(np.asarray(a["A_log"], np.float64)),
         xbc[:, d_inner : d_inner + gn].reshape(T, groups, N),
         xbc[:, d_inner + gn :].reshape(T, groups, N),
         query_start_loc=qsl, D=o["D"], dt_bias=o["dt_bias"], dt_softplus=True,
@@ -144,7 +144,7 @@ def run(impl, arrays, **options):
         a["conv_weight"],
         a["conv_bias"],
         a["ssm_state_cache"],
-        a["A"],
+        a["A_log"],
         implementation=impl,
         **options,
     )
@@ -222,7 +222,7 @@ def test_equals_the_three_ops():
     )  # fmt: skip
     x, B, C = jnp.split(xbc, [d_inner, d_inner + 2 * N], axis=-1)
     y, ssm_cache = pk.ssd_scan(
-        x.reshape(T, H, P), dt, a["A"], B.reshape(T, 2, N), C.reshape(T, 2, N),
+        x.reshape(T, H, P), dt, -jnp.exp(a["A_log"]), B.reshape(T, 2, N), C.reshape(T, 2, N),
         metadata=o["metadata"], chunk_size=CHUNK, D=o["D"], dt_bias=o["dt_bias"],
         dt_softplus=True, state_cache=a["ssm_state_cache"], implementation=impl, **layout,
     )  # fmt: skip
@@ -246,7 +246,7 @@ def test_gradients_equal_the_references(norm):
         arrays[cache] = jnp.nan_to_num(arrays[cache], nan=0.25)
     if not norm:
         options["norm_weight"] = None
-    names = ["zxbcdt", "conv_state_cache", "conv_weight", "conv_bias", "ssm_state_cache", "A"]
+    names = ["zxbcdt", "conv_state_cache", "conv_weight", "conv_bias", "ssm_state_cache", "A_log"]
     extra = ["D", "dt_bias"] + (["norm_weight"] if norm else [])
     weights = [normal(np.random.default_rng(i), s.shape) for i, s in enumerate(
         run("xla", arrays, **options))]  # fmt: skip
@@ -328,9 +328,9 @@ def test_lowers_without_column_copies():
         layout[0],
     )  # fmt: skip
 
-    def step(zxbcdt, conv_cache, conv_weight, ssm_cache, A, qsl, slots, has, D, dt_bias, w):
+    def step(zxbcdt, conv_cache, conv_weight, ssm_cache, A_log, qsl, slots, has, D, dt_bias, w):
         return mamba2_prefill(
-            zxbcdt, conv_cache, conv_weight, None, ssm_cache, A, query_start_loc=qsl,
+            zxbcdt, conv_cache, conv_weight, None, ssm_cache, A_log, query_start_loc=qsl,
             metadata=metadata, chunk_size=256, slot_ids=slots, has_initial_state=has, D=D,
             dt_bias=dt_bias, dt_softplus=True, norm_weight=w, implementation="triton",
         )  # fmt: skip

@@ -641,7 +641,8 @@ def _ops_taking_slot_ids(rng: np.random.Generator) -> dict[str, Callable]:
 
     qsl, dt_limit = np.array([0, 3, T], np.int32), (0.0, math.inf)
     x, dt, B, C = f32(T, H, P), f32(T, H), f32(T, 1, N), f32(T, 1, N)
-    A = -np.exp(f32(H))
+    A_log = f32(H)
+    A = -np.exp(A_log)
     ssm_cache, conv_cache = caches(3, H, P, N), caches(3, K - 1, dim)
     k_cache, v_cache = caches(3, 8, 1, 16), caches(3, 8, 1, 16)
     conv_dim = H * P + 2 * N
@@ -681,11 +682,11 @@ def _ops_taking_slot_ids(rng: np.random.Generator) -> dict[str, Callable]:
         ),
         "mamba2_decode": lambda slots, validate: pk.mamba2_decode(
             np.ones((2, 2 * H * P + 2 * N + H), np.float32), mixer_conv_cache, mixer_weight,
-            None, ssm_cache, A, slot_ids=slots, dt_limit=dt_limit, validate=validate,
+            None, ssm_cache, A_log, slot_ids=slots, dt_limit=dt_limit, validate=validate,
             implementation="xla",
         ),
         "mamba2_prefill": lambda slots, validate: pk.mamba2_prefill(
-            prefill_rows, mixer_conv_cache, mixer_weight, None, ssm_cache, A,
+            prefill_rows, mixer_conv_cache, mixer_weight, None, ssm_cache, A_log,
             metadata=metadata, chunk_size=4, slot_ids=slots, dt_limit=dt_limit,
             validate=validate, implementation="xla", **first,
         ),

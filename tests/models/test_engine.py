@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.engine import Engine, sample_tokens
 from flax_models.serving.sampling import SamplingParams
 from pallas_kernels.testing import assert_close
+from tests.helpers import primitives_outside_kernels
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").exists())
@@ -83,7 +85,8 @@ def test_greedy_generation_is_the_argmax_of_the_forward(family):
 def test_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch):
     """A step of decode rows only runs each Mamba mixer through ``mamba2_decode`` (here on
     its Triton kernels, interpreted off-GPU): with the gated norm (Bamba) and without it
-    (Falcon-H1, where z gates the state update), its logits are the plain forward's."""
+    (Falcon-H1, where z gates the state update), its logits are the plain forward's, and no
+    exponential runs outside the kernels (the decay rates' included)."""
     from flax_models.layers import mamba2
 
     calls = []
@@ -105,8 +108,21 @@ def test_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch
     assert not calls, "a prefill step ran the decode mixer"
     rows = enumerate(zip(prompts, next_tokens, strict=True))
     decode = [Request(s, [t], len(p)) for s, (p, t) in rows]
+    step_args = {}
+    jitted = engine._jitted
+
+    def shapes_kept(*args, **kwargs):  # the shapes of the step's arguments (some donated)
+        step_args.update(
+            args=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args), kw=kwargs
+        )
+        return jitted(*args, **kwargs)
+
+    engine._jitted = shapes_kept
     logits = np.asarray(engine.step(engine.builder.build(decode, [])))
     assert calls and set(calls) == {"triton"}
+    # A = -exp(A_log) is taken inside the state update's kernel: no XLA kernel a layer.
+    jaxpr = jax.make_jaxpr(functools.partial(engine._step, **step_args["kw"]))(*step_args["args"])
+    assert "exp" not in primitives_outside_kernels(jaxpr.jaxpr)
     for s, (prompt, token) in enumerate(zip(prompts, next_tokens, strict=True)):
         full = np.asarray(model(family)(jnp.asarray([prompt + [token]])))[0, -1]
         assert_close(logits[s], full, rtol=1e-4, name=f"{family} row {s}")
