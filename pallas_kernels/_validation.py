@@ -133,15 +133,17 @@ def check_ssm_inputs(
     dt_bias: jax.Array | None,
     dt_limit: tuple[float, float],
     rows: str,
+    A_name: str = "A",
 ) -> tuple[float, float]:
     """Checks of the Mamba2 SSM arguments shared by ``ssd_scan`` and
     ``selective_state_update``: ``x[R, H, P]``, ``dt[R, H]``, ``A[H]``, ``B``/``C[R, G, N]``
     with ``G`` dividing ``H``, ``D[H]`` or ``[H, P]``, ``z[R, H, P]``, ``dt_bias[H]``.
 
-    ``rows`` names the leading axis in messages (``"T"``, ``"Bd"``). Returns ``dt_limit``
-    as floats with ``lo <= hi``.
+    ``rows`` names the leading axis in messages (``"T"``, ``"Bd"``), ``A_name`` the decay
+    rates (``"A_log"`` for the fused Mamba2 ops, which take them as the mixer holds them).
+    Returns ``dt_limit`` as floats with ``lo <= hi``.
     """
-    for name, a in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+    for name, a in (("x", x), ("dt", dt), (A_name, A), ("B", B), ("C", C)):
         check_floating(name, a)
     for name, a in (("D", D), ("z", z), ("dt_bias", dt_bias)):
         if a is not None:
@@ -155,7 +157,7 @@ def check_ssm_inputs(
     if G < 1 or H % G:
         raise ValueError(f"number of groups G={G} (B.shape[1]) must divide H={H}")
     check_shape("dt", dt, (R, H), f"[{rows}, H]")
-    check_shape("A", A, (H,), "[H]")
+    check_shape(A_name, A, (H,), "[H]")
     check_shape("B", B, (R, G, N), f"[{rows}, G, N]")
     check_shape("C", C, (R, G, N), f"[{rows}, G, N]")
     if D is not None and D.shape not in ((H,), (H, P)):

@@ -96,16 +96,15 @@ def check_packed_mixer(
             f"got {zxbcdt.shape}"
         )
     num_rows = zxbcdt.shape[0]
-    checks.check_floating("A_log", A_log)
-    checks.check_shape("A_log", A_log, (H,), "[H]")
 
     def split(*shape: int) -> jax.ShapeDtypeStruct:
-        """A piece of the split row, for the SSM's own checks (A, D, dt_bias, dt_limit)."""
+        """A piece of the split row, for the SSM's own checks (A_log, D, dt_bias, dt_limit)."""
         return jax.ShapeDtypeStruct(shape, zxbcdt.dtype)
 
     dt_limit = checks.check_ssm_inputs(
         split(num_rows, H, P), split(num_rows, H), A_log, split(num_rows, G, N),
         split(num_rows, G, N), D=D, z=None, dt_bias=dt_bias, dt_limit=dt_limit, rows=rows,
+        A_name="A_log",
     )  # fmt: skip
     if norm_group_size is None:
         norm_group_size = d_inner // G
@@ -192,14 +191,7 @@ def mamba2_decode(
     if validate:
         checks.validate_slot_ids(slot_ids, S)
     call = Call(
-        (
-            zxbcdt,
-            conv_state_cache,
-            conv_weight,
-            conv_bias,
-            ssm_state_cache,
-            A_log.astype(jnp.float32),
-        ),
+        (zxbcdt, conv_state_cache, conv_weight, conv_bias, ssm_state_cache, A_log),
         dict(
             num_groups=mixer.num_groups,
             slot_ids=checked_slot_ids,

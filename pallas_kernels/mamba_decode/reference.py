@@ -50,7 +50,7 @@ def mamba2_decode(
         ssm_state_cache,
         xbc[:, :d_inner].reshape(rows, H, P),
         dt,
-        -jnp.exp(A_log),
+        -jnp.exp(A_log.astype(jnp.float32)),
         xbc[:, d_inner : d_inner + gn].reshape(rows, num_groups, N),
         xbc[:, d_inner + gn :].reshape(rows, num_groups, N),
         slot_ids=slot_ids,
