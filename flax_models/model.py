@@ -81,12 +81,12 @@ class Block(nnx.Module):
         mixers = {"M": Mamba2Mixer, "*": Attention, "P": ParallelHybridMixer, "E": MoE}
         options = dict(dtype=dtype, implementation=implementation, rngs=rngs, mesh=mesh)
         if kind == "-":
-            self.mixer = MLP(cfg, dtype=dtype, rngs=rngs)
+            self.mixer = MLP(cfg, **options)
         else:
             self.mixer = mixers[kind](cfg, **options)
         has_mlp = cfg.mlp_per_layer and kind not in "-E"
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype) if has_mlp else None
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs) if has_mlp else None
+        self.mlp = MLP(cfg, **options) if has_mlp else None
         # Granite MoE: routed experts beside the per-layer MLP (its shared expert), same input.
         has_moe = has_mlp and cfg.moe_per_layer
         self.moe = MoE(cfg, **options) if has_moe else None
@@ -94,19 +94,17 @@ class Block(nnx.Module):
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: LayerCache
     ) -> tuple[jax.Array, LayerCache]:
-        if self.kind == "-":  # MLP and MoE blocks carry no state
-            out = self.mixer(self.norm(h))
-        elif self.kind == "E":  # a grouped batch's tokens stay split over dp
-            out = self.mixer(self.norm(h), groups=batch.groups)
+        if self.kind in "-E":  # MLP and MoE blocks carry no state; a grouped batch's
+            out = self.mixer(self.norm(h), groups=batch.groups)  # tokens stay split over dp
         else:
             out, cache = self.mixer(self.norm(h), batch, cache)
         h = h + out * self.residual_multiplier
         if self.mlp is not None:
             x = self.mlp_norm(h)
             if self.moe is None:
-                out = self.mlp(x)
+                out = self.mlp(x, groups=batch.groups)
             else:
-                out = self.mlp(x) + self.moe(x, groups=batch.groups)
+                out = self.mlp(x, groups=batch.groups) + self.moe(x, groups=batch.groups)
             h = h + out * self.residual_multiplier
         return h, cache
 

@@ -59,6 +59,7 @@ from flax_models.batch import ForwardBatch
 from flax_models.cache import AttentionCache, LayerCache, MambaCache, ParallelCache
 from flax_models.config import HybridConfig
 from flax_models.lazy_tensors import LazyTensor
+from pallas_kernels.all_reduce import all_reduce
 
 PyTree = Any  # an array or a nested tuple, list or dict of arrays
 TP = "tp"  # the mesh axis the heads are split over
@@ -113,12 +114,13 @@ def with_tp_axis(mesh: Mesh | None) -> Mesh | None:
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def psum_tp(x: PyTree) -> PyTree:
+def psum_tp(x: PyTree, implementation: str | tuple[str, ...] = "auto") -> PyTree:
     """``x`` (an array or a tuple of arrays: one all-reduce for all of them) summed over
-    ``"tp"`` inside ``shard_call``; ``x`` itself on a ``"tp"`` axis of size 1 (a dp-only
-    mesh), where a ``psum`` would still compile to an all-reduce over groups of one
-    device, launched once per mixer."""
-    return x if jax.lax.axis_size(TP) == 1 else jax.lax.psum(x, TP)
+    ``"tp"`` inside ``shard_call`` (``pallas_kernels.all_reduce``: ``psum``, or the Mosaic
+    kernel where ``implementation`` allows it and it was measured faster); ``x`` itself on
+    a ``"tp"`` axis of size 1 (a dp-only mesh), where a ``psum`` would still compile to an
+    all-reduce over groups of one device, launched once per mixer."""
+    return all_reduce(x, TP, implementation=implementation)
 
 
 def _local_copies(total: int, tp: int) -> int:

@@ -6,6 +6,7 @@ Every op takes ``implementation="auto" | "xla" | "triton" | "mosaic"``.
 """
 
 from pallas_kernels._common import matmul_precision
+from pallas_kernels.all_reduce import all_reduce
 from pallas_kernels.attention import kv_lens_from_mask, masked_tail_attention, write_kv
 from pallas_kernels.backend import Implementation, backend_for
 from pallas_kernels.conv1d import causal_conv1d, causal_conv1d_update
@@ -28,6 +29,7 @@ from pallas_kernels.state_update import selective_state_update
 __all__ = [
     "ChunkMetadata",
     "Implementation",
+    "all_reduce",
     "backend_for",
     "bucket_for",
     "causal_conv1d",

@@ -1,0 +1,132 @@
+"""``all_reduce``: the sum over a mesh axis (``psum`` or the one-shot Mosaic GPU kernel)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels as pk
+from pallas_kernels.all_reduce import api, mosaic
+from pallas_kernels.backend import supports_mosaic
+from tests.helpers import _H100
+
+
+def _over_axis(fn, *arrays):
+    """``fn`` with the leading axis of ``arrays`` bound as ``"tp"`` (as shard_map's would)."""
+    return jax.vmap(fn, axis_name="tp")(*arrays)
+
+
+def test_xla_sums_every_array_of_a_tuple_over_the_axis():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 3, 40)), jnp.float32)
+    squares = jnp.asarray(rng.random((4, 3)), jnp.float32)
+    out, out_squares = _over_axis(
+        lambda a, b: pk.all_reduce((a, b), "tp", implementation="xla"), x, squares
+    )
+    np.testing.assert_allclose(out, np.broadcast_to(np.sum(x, 0), x.shape), rtol=1e-6)
+    np.testing.assert_allclose(out_squares, np.broadcast_to(np.sum(squares, 0), squares.shape))
+
+
+def test_routing_by_request_devices_and_bytes():
+    rows = lambda n: [jax.ShapeDtypeStruct((n, 4096), jnp.bfloat16)]  # noqa: E731
+    assert api.in_kernel_window(rows(256), 2)  # 2 MiB: measured faster
+    assert not api.in_kernel_window(rows(1), 2)  # 8 KiB: NCCL's latency is lower
+    assert not api.in_kernel_window(rows(256), 4)  # not measured on four devices
+    assert not api.in_kernel_window(rows(4096), 2)  # 32 MiB: above the measured window
+    chosen = []
+
+    def probe(v, implementation):
+        chosen.append(pk.backend_for(pk.all_reduce, v, "tp", implementation=implementation))
+        return v
+
+    window, small = jnp.zeros((2, 256, 4096), jnp.bfloat16), jnp.zeros((2, 1, 4096))
+    family = ("mosaic", "triton", "xla")
+    for x, implementation in ((window, "auto"), (window, family), (small, family)):
+        _over_axis(lambda v, i=implementation: probe(v, i), x)
+    # auto keeps psum; a family naming mosaic takes the kernel in its window where the
+    # device runs it (a Hopper GPU), psum elsewhere.
+    assert chosen == ["xla", "mosaic" if supports_mosaic() else "xla", "xla"]
+
+
+def test_bad_arguments():
+    x = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="axis_name='dp' is not a mesh axis"):
+        _over_axis(lambda v: pk.all_reduce(v, "dp"), x)
+    with pytest.raises(ValueError, match="a sequence must name backends"):
+        _over_axis(lambda v: pk.all_reduce(v, "tp", implementation=("nccl",)), x)
+    with pytest.raises(ValueError, match=r"x\[1\] must be a floating-point array"):
+        _over_axis(lambda v: pk.all_reduce((v, v.astype(jnp.int32)), "tp"), x)
+    if not supports_mosaic():
+        with pytest.raises(ValueError, match="Hopper"):
+            _over_axis(lambda v: pk.all_reduce(v, "tp", implementation="mosaic"), x)
+
+
+def test_one_device_returns_its_input():
+    x = jnp.arange(6.0).reshape(1, 6)
+    np.testing.assert_array_equal(_over_axis(lambda v: pk.all_reduce(v, "tp"), x), x)
+
+
+def _lower_mosaic(devices: int, shapes) -> str:
+    mesh = jax.sharding.AbstractMesh((devices,), ("tp",), abstract_device=_H100)
+    split = jax.sharding.NamedSharding(mesh, P("tp"))
+    args = [jax.ShapeDtypeStruct((devices * s[0], *s[1:]), dt, sharding=split) for s, dt in shapes]
+    with jax.sharding.use_abstract_mesh(mesh):
+        fn = jax.shard_map(
+            lambda *xs: mosaic.all_reduce(xs, axis_name="tp"),
+            mesh=mesh,
+            in_specs=(P("tp"),) * len(args),
+            out_specs=(P("tp"),) * len(args),
+        )
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_mosaic_lowers_as_one_collective_launch_behind_the_barrier(devices):
+    """One kernel for the tuple; it reads peers through XLA's collective metadata and keeps
+    the cross-device barrier its protocol relies on (operands written, semaphores zeroed
+    on every device before any peer reads or signals)."""
+    text = _lower_mosaic(devices, [((256, 4096), jnp.bfloat16), ((3,), jnp.float32)])
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1
+    assert "uses_xla_collective_metadata = true" in calls[0]
+    assert "skip_device_barrier = false" in calls[0]
+
+
+def test_flat_operands_pad_to_whole_vectors():
+    parts = mosaic.flat_operands(
+        (
+            jnp.ones((3, 5), jnp.bfloat16),
+            jnp.ones((7,), jnp.float32),
+            jnp.ones((1024,), jnp.bfloat16),
+        )
+    )
+    assert [p.shape for p in parts] == [(1024,), (512,), (1024,)]
+    assert float(parts[0].astype(jnp.float32).sum()) == 15.0  # the padding is zeros
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.device_count() < 2 or not supports_mosaic(), reason="two Hopper GPUs")
+@pytest.mark.parametrize("rows", [1, 3, 256])
+def test_mosaic_equals_psum_on_two_gpus(rows):
+    """Every device gets the same bits, equal to psum's (two devices: one add each)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((2 * rows, 4096)), jnp.bfloat16)
+    squares = jnp.asarray(rng.random((2 * rows,)), jnp.float32)
+    run = lambda impl: jax.jit(  # noqa: E731
+        jax.shard_map(
+            lambda a, b: pk.all_reduce((a, b), "tp", implementation=impl),
+            mesh=mesh,
+            in_specs=(P("tp"), P("tp")),
+            out_specs=(P("tp"), P("tp")),
+            check_vma=False,
+        )
+    )(x, squares)
+    (a, b), (c, d) = run("mosaic"), run("xla")
+    a, c = np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32))
+    np.testing.assert_array_equal(a[:rows], a[rows:])
+    np.testing.assert_array_equal(a, c)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(d), rtol=1e-7)
