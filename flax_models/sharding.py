@@ -116,10 +116,16 @@ def with_tp_axis(mesh: Mesh | None) -> Mesh | None:
 
 def psum_tp(x: PyTree, implementation: str | tuple[str, ...] = "auto") -> PyTree:
     """``x`` (an array or a tuple of arrays: one all-reduce for all of them) summed over
-    ``"tp"`` inside ``shard_call`` (``pallas_kernels.all_reduce``: ``psum``, or the Mosaic
-    kernel where ``implementation`` allows it and it was measured faster); ``x`` itself on
-    a ``"tp"`` axis of size 1 (a dp-only mesh), where a ``psum`` would still compile to an
-    all-reduce over groups of one device, launched once per mixer."""
+    ``"tp"`` inside ``shard_call``, through ``pallas_kernels.all_reduce``; ``x`` itself on a
+    ``"tp"`` axis of size 1 (a dp-only mesh), where a ``psum`` would still compile to an
+    all-reduce over groups of one device, launched once per mixer.
+
+    ``implementation`` is the layer's, a preference for the ops' kernels: one backend name
+    goes as a one-name family, so a model run on ``"triton"`` (which has no all-reduce)
+    still sums with ``psum``, and a family naming ``"mosaic"`` takes the Mosaic kernel
+    where the op does (``all_reduce``'s window)."""
+    if isinstance(implementation, str) and implementation != "auto":
+        implementation = (implementation,)
     return all_reduce(x, TP, implementation=implementation)
 
 

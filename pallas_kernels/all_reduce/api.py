@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -63,10 +64,10 @@ def all_reduce(
       axis_name: a mesh axis bound by the enclosing ``shard_map``.
       implementation: ``"xla"`` and ``"auto"``: ``lax.psum`` (NCCL on GPUs). ``"mosaic"``:
         the one-shot Pallas Mosaic GPU kernel (``all_reduce/mosaic.py``; Hopper GPUs driven
-        by one process). A sequence of names holding ``"mosaic"`` (a model's
-        ``implementation=("mosaic", "triton", "xla")``): the kernel inside the window
-        where it was measured faster (``KERNEL_*``: two devices, 1-16 MiB) when the device
-        runs it, else ``psum``. The kernel sums in device order in fp32, so every device
+        by one process). A sequence of names holding ``"mosaic"`` (the layers of a model on
+        ``implementation="mosaic"`` ask for ``("mosaic", "triton")``): the kernel in the
+        window where it was measured faster (``KERNEL_*``: two devices, 1-16 MiB) when the
+        device runs it, else ``psum``. The kernel sums in device order in fp32, so every device
         gets the same bits; ``psum`` leaves the order to NCCL.
 
     Returns:
@@ -83,7 +84,7 @@ def all_reduce(
             f"axis_name={axis_name!r} is not a mesh axis bound here (call all_reduce "
             "inside jax.shard_map over a mesh with that axis)"
         ) from e
-    leaves = [jax.numpy.asarray(leaf) for leaf in leaves]
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
     for i, leaf in enumerate(leaves):
         checks.check_floating(f"x[{i}]", leaf)
     if devices == 1 or not leaves:

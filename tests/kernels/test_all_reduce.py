@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from flax_models.sharding import psum_tp
 from pallas_kernels.all_reduce import api, mosaic
 from pallas_kernels.backend import supports_mosaic
 from tests.helpers import _H100
@@ -49,6 +50,15 @@ def test_routing_by_request_devices_and_bytes():
     # auto keeps psum; a family naming mosaic takes the kernel in its window where the
     # device runs it (a Hopper GPU), psum elsewhere.
     assert chosen == ["xla", "mosaic" if supports_mosaic() else "xla", "xla"]
+
+
+def test_a_layers_implementation_is_a_preference():
+    """psum_tp takes the layer's implementation: "triton" (no all-reduce of its own) still
+    sums with psum instead of raising, as the layers did before they passed it."""
+    x = jnp.arange(8.0).reshape(2, 4)
+    for implementation in ("auto", "xla", "triton", ("mosaic", "triton")):
+        out = _over_axis(lambda v, i=implementation: psum_tp(v, i), x)
+        np.testing.assert_array_equal(out, np.broadcast_to(np.sum(x, 0), x.shape))
 
 
 def test_bad_arguments():
