@@ -71,7 +71,8 @@ def all_reduce(arrays: tuple, *, axis_name: str) -> tuple:
     """See :func:`pallas_kernels.all_reduce`; arguments are already validated."""
     devices = lax.axis_size(axis_name)
     flat = flat_operands(arrays)
-    plan = [(_tile(f.size, f.dtype), f.size // _tile(f.size, f.dtype)) for f in flat]
+    tile_sizes = [_tile(f.size, f.dtype) for f in flat]
+    plan = [(tile, f.size // tile) for tile, f in zip(tile_sizes, flat, strict=True)]
     blocks = min(sum(tiles for _, tiles in plan), device_num_sms())
 
     def kernel(*refs):
