@@ -31,7 +31,7 @@ from flax_models.layers import MLP, Attention, Mamba2Mixer, ParallelHybridMixer,
 from flax_models.layers.linear import linear_kwargs
 from flax_models.layers.moe import MoE
 from flax_models.sharding import check_tp, state_shardings, tp_layout, tp_size, with_tp_axis
-from pallas_kernels.backend import BACKEND_NAMES, IMPLEMENTATIONS
+from pallas_kernels.backend import IMPLEMENTATIONS, backend_names
 
 # A model-level implementation names a backend family: "the best it has for each op". Mosaic
 # GPU kernels exist only for the tensor-core-bound ops, Triton kernels for every op, so
@@ -54,12 +54,7 @@ def layer_implementation(implementation: str | Sequence[str]) -> str | tuple[str
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
         return _FAMILY_BACKENDS.get(implementation, implementation)
-    names = tuple(implementation)
-    if not names or any(name not in BACKEND_NAMES for name in names):
-        raise ValueError(
-            f"implementation={names!r}: a sequence must name backends of {BACKEND_NAMES}"
-        )
-    return names
+    return backend_names(implementation)
 
 
 class Block(nnx.Module):

@@ -72,6 +72,17 @@ def supports_mosaic(device: jax.Device | None = None) -> bool:
     return (major, minor) >= _MOSAIC_MIN_COMPUTE_CAPABILITY
 
 
+def backend_names(implementation: Sequence[str]) -> tuple[str, ...]:
+    """A sequence ``implementation`` as a tuple of backend names; ``ValueError`` when it is
+    empty or names something else."""
+    names = tuple(implementation)
+    if not names or any(n not in BACKEND_NAMES for n in names):
+        raise ValueError(
+            f"implementation={implementation!r}: a sequence must name backends of {BACKEND_NAMES}"
+        )
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One validated call of an op: what every backend of the op receives.
@@ -193,12 +204,7 @@ class Op:
             candidates = self.backends if auto else (self.backend(implementation),)
         else:
             auto = False
-            names = tuple(implementation)
-            if not names or any(n not in BACKEND_NAMES for n in names):
-                raise ValueError(
-                    f"implementation={implementation!r}: a sequence must name backends of "
-                    f"{BACKEND_NAMES}"
-                )
+            names = backend_names(implementation)
             candidates = tuple(self.backend(n) for n in names if n in self.names)
             if not candidates:
                 raise ValueError(

@@ -12,7 +12,7 @@ from jax import lax
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.all_reduce import mosaic, reference
-from pallas_kernels.backend import BACKEND_NAMES, Backend, Call, Implementation, Op
+from pallas_kernels.backend import Backend, Call, Implementation, Op, backend_names
 
 # Where a request naming ``mosaic`` among others takes the kernel: two devices and 1-16
 # MiB a call. Measured on two H200s of one host in a Bamba-9B-shaped decode step
@@ -92,14 +92,8 @@ def all_reduce(
     if isinstance(implementation, str):
         chosen: str | tuple[str, ...] = "xla" if implementation == "auto" else implementation
     else:
-        names = tuple(implementation)
-        if not names or any(n not in BACKEND_NAMES for n in names):
-            raise ValueError(
-                f"implementation={implementation!r}: a sequence must name backends of "
-                f"{BACKEND_NAMES}"
-            )
         chosen = "xla"
-        if "mosaic" in names and in_kernel_window(leaves, devices):
+        if "mosaic" in backend_names(implementation) and in_kernel_window(leaves, devices):
             chosen = ("mosaic", "xla")  # the first of them the device runs
     call = Call(args=(tuple(leaves),), kwargs=dict(axis_name=axis_name))
     return jax.tree.unflatten(treedef, list(ALL_REDUCE.run(call, chosen)))
