@@ -13,6 +13,7 @@ into that form (research and tests).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -57,6 +58,15 @@ def layer_implementation(implementation: str | Sequence[str]) -> str | tuple[str
     return backend_names(implementation)
 
 
+def norm_implementation(
+    implementation: str | tuple[str, ...], mesh: Mesh | None
+) -> str | tuple[str, ...]:
+    """The blocks' RMSNorms' ``implementation``: the layers' own on one device; ``"xla"``
+    on a mesh, where XLA partitions the residual stream's ops (and fuses the norm into
+    them) while the Pallas ops run under the mixers' ``shard_map``."""
+    return implementation if mesh is None else "xla"
+
+
 class Block(nnx.Module):
     """One residual block of the layer pattern."""
 
@@ -72,7 +82,14 @@ class Block(nnx.Module):
     ):
         self.kind = kind
         self.residual_multiplier = cfg.residual_multiplier
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        norm = functools.partial(
+            RMSNorm,
+            cfg.hidden_size,
+            eps=cfg.norm_eps,
+            dtype=dtype,
+            implementation=norm_implementation(implementation, mesh),
+        )
+        self.norm = norm()
         mixers = {"M": Mamba2Mixer, "*": Attention, "P": ParallelHybridMixer, "E": MoE}
         options = dict(dtype=dtype, implementation=implementation, rngs=rngs, mesh=mesh)
         if kind == "-":
@@ -80,28 +97,36 @@ class Block(nnx.Module):
         else:
             self.mixer = mixers[kind](cfg, **options)
         has_mlp = cfg.mlp_per_layer and kind not in "-E"
-        self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype) if has_mlp else None
+        self.mlp_norm = norm() if has_mlp else None
         self.mlp = MLP(cfg, **options) if has_mlp else None
         # Granite MoE: routed experts beside the per-layer MLP (its shared expert), same input.
         has_moe = has_mlp and cfg.moe_per_layer
         self.moe = MoE(cfg, **options) if has_moe else None
 
     def __call__(
-        self, h: jax.Array, batch: ForwardBatch, cache: LayerCache
-    ) -> tuple[jax.Array, LayerCache]:
-        if self.kind in "-E":  # MLP and MoE blocks carry no state; a grouped batch's
-            out = self.mixer(self.norm(h), groups=batch.groups)  # tokens stay split over dp
+        self, h: jax.Array, update: jax.Array | None, batch: ForwardBatch, cache: LayerCache
+    ) -> tuple[jax.Array, jax.Array, LayerCache]:
+        """``h[T, D]``: the residual stream; ``update[T, D]``: the previous block's output,
+        not yet added to it (None before the first block). Returns the stream, this block's
+        own output, also not yet added (the next norm adds it in its own pass), and the
+        cache."""
+        if update is None:
+            x = self.norm(h)
         else:
-            out, cache = self.mixer(self.norm(h), batch, cache)
-        h = h + out * self.residual_multiplier
+            x, h = self.norm(update, h)
+        if self.kind in "-E":  # MLP and MoE blocks carry no state; a grouped batch's
+            out = self.mixer(x, groups=batch.groups)  # tokens stay split over dp
+        else:
+            out, cache = self.mixer(x, batch, cache)
+        update = out * self.residual_multiplier
         if self.mlp is not None:
-            x = self.mlp_norm(h)
+            x, h = self.mlp_norm(update, h)
             if self.moe is None:
                 out = self.mlp(x, groups=batch.groups)
             else:
                 out = self.mlp(x, groups=batch.groups) + self.moe(x, groups=batch.groups)
-            h = h + out * self.residual_multiplier
-        return h, cache
+            update = out * self.residual_multiplier
+        return h, update, cache
 
 
 class HybridLM(nnx.Module):
@@ -165,7 +190,12 @@ class HybridLM(nnx.Module):
                 for kind in cfg.layer_pattern
             ]
         )
-        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        self.final_norm = RMSNorm(
+            cfg.hidden_size,
+            eps=cfg.norm_eps,
+            dtype=dtype,
+            implementation=norm_implementation(layer_impl, mesh),
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -197,21 +227,30 @@ class HybridLM(nnx.Module):
         if self.remat is not None:  # "block": jax.checkpoint's default, save nothing inside
             block = nnx.remat(block, policy=None if self.remat == "block" else self.remat)
         new_caches = []
+        update = None  # the last block's output, added to h by the final norm
         for layer, cache in zip(self.layers, caches, strict=True):
-            h, cache = block(layer, h, batch, cache)
+            h, update, cache = block(layer, h, update, batch, cache)
             new_caches.append(cache)
-        if logits_rows is not None and batch.groups > 1:
+
+        def rows(a: jax.Array) -> jax.Array:
+            """The rows of ``a[T, D]`` whose logits are asked for."""
+            if logits_rows is None:
+                return a
+            if batch.groups == 1:
+                return a[logits_rows]
             # A grouped step: each group's rows come from its own tokens, so the hidden
             # states stay split over dp (a global gather would all-gather them).
-            groups, width = batch.groups, h.shape[-1]
+            groups, width = batch.groups, a.shape[-1]
             local = logits_rows.reshape(groups, -1) - (
-                h.shape[0] // groups * jnp.arange(groups, dtype=logits_rows.dtype)[:, None]
+                a.shape[0] // groups * jnp.arange(groups, dtype=logits_rows.dtype)[:, None]
             )
-            h = h.reshape(groups, -1, width)
-            h = jnp.take_along_axis(h, local[..., None], axis=1).reshape(-1, width)
-        elif logits_rows is not None:
-            h = h[logits_rows]
-        h = self.final_norm(h)
+            a = a.reshape(groups, -1, width)
+            return jnp.take_along_axis(a, local[..., None], axis=1).reshape(-1, width)
+
+        if update is None:
+            h = self.final_norm(rows(h))
+        else:
+            h, _ = self.final_norm(rows(update), rows(h))
         if self.lm_head is None:  # tied: the embedding table is the head
             table = self.embed.embedding[...]
             logits = jnp.dot(h, table.T, precision=pk.matmul_precision(table.dtype))

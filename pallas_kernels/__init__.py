@@ -22,7 +22,7 @@ from pallas_kernels.metadata import (
     sequence_buckets,
     token_buckets,
 )
-from pallas_kernels.norm import gated_rms_norm
+from pallas_kernels.norm import gated_rms_norm, rms_norm
 from pallas_kernels.ssd import ssd_scan
 from pallas_kernels.state_update import selective_state_update
 
@@ -44,6 +44,7 @@ __all__ = [
     "matmul_precision",
     "max_chunks_for",
     "pad_to_bucket",
+    "rms_norm",
     "selective_state_update",
     "sequence_buckets",
     "ssd_scan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -197,14 +198,19 @@ def primitives_outside_kernels(jaxpr) -> set[str]:
 
 def pallas_call_names(jaxpr) -> set[str]:
     """The names of the pallas_calls in ``jaxpr`` and its sub-jaxprs."""
-    names = set()
+    return set(pallas_call_counts(jaxpr))
+
+
+def pallas_call_counts(jaxpr) -> collections.Counter:
+    """How many pallas_calls of each name ``jaxpr`` and its sub-jaxprs hold."""
+    counts = collections.Counter()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            names.add(str(eqn.params.get("name_and_src_info", eqn.params.get("name"))))
+            counts[str(eqn.params.get("name_and_src_info", eqn.params.get("name")))] += 1
             continue
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    names |= pallas_call_names(inner)
-    return names
+                    counts += pallas_call_counts(inner)
+    return counts

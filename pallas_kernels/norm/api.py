@@ -1,4 +1,4 @@
-"""``gated_rms_norm``: validation and dispatch."""
+"""``gated_rms_norm`` and ``rms_norm``: validation and dispatch."""
 
 from __future__ import annotations
 
@@ -19,6 +19,19 @@ GATED_RMS_NORM = Op(
             default_config=lambda *_, group_size, **__: triton.default_block_sizes(group_size),
         ),
         Backend("xla", reference.gated_rms_norm),
+    ),
+)
+
+RMS_NORM = Op(
+    "rms_norm",
+    (
+        Backend(
+            "triton",
+            triton.rms_norm,
+            config_type=triton.BlockSizes,
+            default_config=lambda x, *_, **__: triton.default_block_sizes(x.shape[1]),
+        ),
+        Backend("xla", reference.rms_norm),
     ),
 )
 
@@ -76,3 +89,55 @@ def gated_rms_norm(
         empty=(lambda: x) if T == 0 else None,
     )
     return GATED_RMS_NORM.run(call, implementation, config)
+
+
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    residual: jax.Array | None = None,
+    eps: float = 1e-5,
+    implementation: Implementation = "auto",
+    config: triton.BlockSizes | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """RMSNorm over the last axis, statistics in fp32: ``y = x / sqrt(mean(x²) + eps) ·
+    weight``; with ``residual``, the pre-norm block's residual add and norm in one pass.
+
+    With ``residual`` it normalises ``s = x + residual`` (added in x's dtype, as
+    ``x + residual`` is) and returns ``(y, s)``: a pre-norm model adds a block's output
+    ``x`` to its residual stream and normalises the new stream for the next block; the
+    Triton kernel reads x and the residual once and writes s and y once, one launch where
+    XLA takes three (an add, the mean square, the scaling).
+
+    Args:
+      x: x[T, D].
+      weight: weight[D].
+      residual: residual[T, D] in x's dtype, or None.
+      eps: added to the mean square.
+      implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
+        to take the first that serves the call (see ``pallas_kernels.backend``).
+      config: the chosen backend's block sizes (``norm.triton.BlockSizes``).
+
+    Returns:
+      y[T, D] in x's dtype; ``(y[T, D], s[T, D])`` with a residual.
+    """
+    x, weight = jnp.asarray(x), jnp.asarray(weight)
+    checks.check_floating("x", x)
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape [T, D], got {x.shape}")
+    T, D = x.shape
+    checks.check_floating("weight", weight)
+    checks.check_shape("weight", weight, (D,), "[D]")
+    if residual is not None:
+        residual = jnp.asarray(residual)
+        checks.check_shape("residual", residual, (T, D), "[T, D]")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    if not eps >= 0:
+        raise ValueError(f"{eps=} must be >= 0")
+    call = Call(
+        (x, weight),
+        dict(residual=residual, eps=float(eps)),
+        empty=(lambda: x if residual is None else (x, x)) if T == 0 else None,
+    )
+    return RMS_NORM.run(call, implementation, config)

@@ -30,3 +30,14 @@ def gated_rms_norm(
     if gate is not None and norm_before_gate:
         y = y * gate
     return y.astype(x.dtype)
+
+
+def rms_norm(
+    x: jax.Array, weight: jax.Array, *, residual: jax.Array | None, eps: float
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.rms_norm`; arguments are already validated."""
+    total = x if residual is None else x + residual
+    y = gated_rms_norm(
+        total, None, weight, group_size=total.shape[1], eps=eps, norm_before_gate=False
+    )
+    return y if residual is None else (y, total)

@@ -163,6 +163,38 @@ def test_gated_rms_norm_triton_backward_runs_its_own_kernel():
     assert not outside & {"rsqrt", "logistic", "reduce_max"}, outside
 
 
+@pytest.mark.parametrize("impl", implementations(norm_api.RMS_NORM))
+def test_add_rms_norm_gradients(impl):
+    """``rms_norm`` with a residual: (y, s) both carry cotangents (the next block reads the
+    norm, the stream goes on), so dx = dresidual = ds + the norm's backward of dy. dx,
+    dresidual and dweight against finite differences of the float64 oracle, and the Pallas
+    backend against the xla path's jax.grad."""
+    x, residual, weight, dy = _norm_inputs(3)
+    dtotal = normal(np.random.default_rng(4), (NORM_T, NORM_DM))
+    config = NORM_CONFIG if impl == "triton" else None
+
+    def grads_of(impl, config):
+        def f(x, residual, weight):
+            return norm_api.rms_norm(
+                x, weight, residual=residual, implementation=impl, config=config
+            )
+
+        _, vjp = jax.vjp(f, x, residual, weight)
+        return vjp((dy, dtotal))
+
+    grads = grads_of(impl, config)
+    names = ("dx", "dresidual", "dweight")
+
+    def oracle(x, residual, w):
+        total = x + residual
+        return gated_rms_norm_oracle(total, None, w, group_size=NORM_DM), total
+
+    cotangent = (as_f32(dy), as_f32(dtotal))
+    _check_against_fd(oracle, (x, residual, weight), cotangent, [as_f32(g) for g in grads], names)
+    if impl != "xla":
+        _check_against_xla(grads, grads_of("xla", None), names)
+
+
 # --------------------------------------------------------------------------- causal_conv1d
 
 CONV_IMPLS = implementations(conv_api.CAUSAL_CONV1D)

@@ -1,5 +1,5 @@
-"""``gated_rms_norm`` against the float64 oracle, for every implementation in the registry
-(Pallas kernels in interpret mode off-GPU)."""
+"""``gated_rms_norm`` and ``rms_norm`` against the float64 oracle, for every implementation
+in the registry (Pallas kernels in interpret mode off-GPU)."""
 
 from __future__ import annotations
 
@@ -177,6 +177,65 @@ def test_argument_errors_name_the_argument(impl):
         norm(x, z, weight, group_size=4, eps=-1e-5)
 
 
+# --------------------------------------------------------------------------- rms_norm
+
+RMS_IMPLS = implementations(api.RMS_NORM)
+
+
+def check_rms_norm(x, residual, weight, out, *, eps=1e-5) -> None:
+    """y against the oracle on the sum; the sum bit for bit what ``x + residual`` gives
+    (the residual stream the next block reads)."""
+    total = x if residual is None else x + residual
+    y = out if residual is None else out[0]
+    if residual is not None:
+        assert out[1].dtype == x.dtype
+        np.testing.assert_array_equal(as_f32(out[1]), as_f32(total))
+    check_norm(total, None, weight, y, group_size=x.shape[1], eps=eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("added", [True, False], ids=["residual", "plain"])
+@pytest.mark.parametrize("impl", RMS_IMPLS)
+def test_rms_norm_matches_oracle(impl, added, dtype):
+    """5 rows of 24 channels: a partial row block and masked columns (24 is not a power of
+    two); a residual ~30× x, so a sum taken in the wrong dtype or dropped shows."""
+    rng = np.random.default_rng(10)
+    x, _, weight = make_inputs(rng, 5, 24, dtype=dtype, gated=False)
+    residual = normal(rng, (5, 24), dtype, scale=30.0) if added else None
+    out = api.rms_norm(x, weight, residual=residual, implementation=impl)
+    check_rms_norm(x, residual, weight, out)
+    jitted = jax.jit(functools.partial(api.rms_norm, implementation=impl))
+    check_rms_norm(x, residual, weight, jitted(x, weight, residual=residual))
+
+
+@pytest.mark.parametrize("impl", RMS_IMPLS)
+def test_rms_norm_runs_the_named_implementation(impl):
+    x, _, weight = make_inputs(np.random.default_rng(11), 4, 16, gated=False)
+    fn = functools.partial(api.rms_norm, residual=x, implementation=impl)
+    assert pk.backend_for(fn, x, weight) == impl
+    jaxpr = str(jax.make_jaxpr(fn)(x, weight))
+    assert ("add_rms_norm" in jaxpr) == (impl == "triton")
+    assert ("pallas_call" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("impl", RMS_IMPLS)
+def test_rms_norm_empty_and_argument_errors(impl):
+    x, _, weight = make_inputs(np.random.default_rng(12), 4, 16, gated=False)
+    norm = functools.partial(api.rms_norm, implementation=impl)
+    y, total = norm(x[:0], weight, residual=x[:0])
+    assert y.shape == total.shape == (0, 16)
+    with pytest.raises(ValueError, match="residual"):
+        norm(x, weight, residual=x[:, :8])
+    with pytest.raises(ValueError, match="residual"):
+        norm(x, weight, residual=x.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="weight"):
+        norm(x, weight[:8])
+    with pytest.raises(ValueError, match="x must"):
+        norm(x[None], weight)
+    with pytest.raises(ValueError, match="eps"):
+        norm(x, weight, eps=-1.0)
+
+
 # --------------------------------------------------------------------------- GPU, real sizes
 
 
@@ -220,3 +279,16 @@ def test_triton_kernel_lowers_for_cuda(dim, group_size, gated):
 
     text = lower_for_cuda(fn, spec((64, dim)), spec((64, dim)), spec((dim,)))
     assert "gated_rms_norm_gs" in text
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_add_rms_norm_kernel_lowers_for_cuda(rows):
+    """The add-and-norm kernel (one row: the one-row decode step's) lowers for CUDA."""
+
+    def fn(x, residual, w):
+        return norm_triton.rms_norm(
+            x, w, residual=residual, eps=1e-5, config=norm_triton.default_block_sizes(4096)
+        )
+
+    text = lower_for_cuda(fn, spec((rows, 4096)), spec((rows, 4096)), spec((4096,)))
+    assert "add_rms_norm_gs4096" in text

@@ -23,10 +23,12 @@ from flax_models.batch import make_forward_batch
 from flax_models.cache import init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
+from flax_models.layers import norm as norm_layer
 from flax_models.layers.mlp import MLP
 from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM, layer_implementation
 from pallas_kernels.testing import assert_close
+from tests.helpers import pallas_call_counts
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").exists())
@@ -273,6 +275,45 @@ def test_mosaic_model_runs_triton_where_mosaic_has_no_kernel():
         rtol=1e-5,
         name="mosaic-family logits",
     )
+
+
+def test_residual_adds_run_in_the_next_norms_kernel():
+    """On Pallas kernels each residual add runs inside the following RMSNorm's kernel (one
+    launch where XLA takes three): every norm but the first block's, the final one
+    included, is an ``add_rms_norm`` kernel; an xla model has none; the logits are the xla
+    model's (``test_triton_matches_transformers`` checks them against Transformers)."""
+    cfg = HybridConfig.tiny(layer_pattern="M*")  # one of each stateful layer, each with an MLP
+    ids = jax.random.randint(jax.random.key(2), (2, 5), 0, cfg.vocab_size)
+    logits = {}
+    for impl in ("triton", "xla"):
+        model = HybridLM(cfg, implementation=impl, rngs=nnx.Rngs(0))
+        jaxpr = jax.make_jaxpr(model._dense)(ids).jaxpr
+        counts = pallas_call_counts(jaxpr)
+        fused = sum(n for name, n in counts.items() if name.startswith("add_rms_norm"))
+        assert fused == (2 * len(cfg.layer_pattern) if impl == "triton" else 0)
+        logits[impl] = jax.jit(model.__call__)(ids)
+    assert_close(logits["triton"], logits["xla"], rtol=1e-5, name="logits")
+
+
+def test_a_preference_takes_the_norm_kernel_up_to_its_row_limit():
+    """``"triton"`` runs the add-and-norm kernel at any size; a preference (a model on
+    ``"auto"`` or ``"mosaic"``) up to ``KERNEL_MAX_ROWS`` rows and XLA's add and norm above
+    (where an earlier measurement found the kernel slower), the same numbers either way."""
+    limit = norm_layer.KERNEL_MAX_ROWS
+    for impl, rows, kernels in (
+        (("mosaic", "triton"), limit, 1),
+        (("mosaic", "triton"), limit + 1, 0),
+        ("triton", limit + 1, 1),
+    ):
+        norm = norm_layer.RMSNorm(16, eps=1e-5, implementation=impl)
+        x, residual = jax.random.normal(jax.random.key(rows), (2, 1, rows, 16))
+        jaxpr = jax.make_jaxpr(norm)(x, residual).jaxpr
+        assert sum(pallas_call_counts(jaxpr).values()) == kernels, (impl, rows)
+        y, total = norm(x, residual)
+        assert y.shape == total.shape == x.shape
+        np.testing.assert_array_equal(total, x + residual)
+        reference = norm_layer.RMSNorm(16, eps=1e-5, implementation="xla")(x + residual)
+        assert_close(y, reference, rtol=1e-6, name=f"{impl} {rows} rows")
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected():
