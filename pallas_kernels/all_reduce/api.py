@@ -21,7 +21,10 @@ from pallas_kernels.backend import Backend, Call, Implementation, Op, backend_na
 # row (8 KiB) 5.37 against 4.35 ms, the kernel's launch (XLA's barrier and collective
 # metadata, about 35 µs chained) costing more than NCCL's 19-25 µs. This op, with ``auto``
 # then taking the kernel there, took 17.18 ms at 256 rows on a third machine without a
-# psum run beside it, so ``auto`` keeps psum until one machine compares the two. Above
+# psum run beside it, so ``auto`` keeps psum until one machine compares the two. On two
+# H100s (2026-11-28) the model with its tp all-reduces in this window printed no row within
+# 110 s, twice, while a chain of the kernel alone ran (25.9 against psum's 28.0 µs at 256
+# rows); a hang or a slow compile, not yet known. Above
 # 16 MiB (prefill) NCCL's own kernels were not measured against it, and on more devices a
 # one-shot read moves more bytes than a ring.
 KERNEL_DEVICES: Final = 2
