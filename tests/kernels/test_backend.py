@@ -398,6 +398,7 @@ def test_mosaic_attention_names_what_it_cannot_serve():
         attention_api.MASKED_TAIL_ATTENTION,
         attention_api.WRITE_KV,
         norm_api.GATED_RMS_NORM,
+        norm_api.RMS_NORM,
         mamba_decode_api.MAMBA2_DECODE,
         mamba_prefill_api.MAMBA2_PREFILL,
     ],

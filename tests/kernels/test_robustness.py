@@ -51,6 +51,7 @@ CONV_UPDATE_IMPLS = implementations(conv1d_api.CAUSAL_CONV1D_UPDATE)
 ATTENTION_IMPLS = tiled_implementations(attention_api.MASKED_TAIL_ATTENTION)
 WRITE_KV_IMPLS = implementations(attention_api.WRITE_KV)
 NORM_IMPLS = implementations(norm_api.GATED_RMS_NORM)
+RMS_NORM_IMPLS = implementations(norm_api.RMS_NORM)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -544,6 +545,16 @@ def _all_ops(impls: dict[str, list[str]]) -> dict[str, list[np.ndarray]]:
             f32(T, 8),
             f32(8),
         )
+    for impl in impls["rms_norm"]:
+        record(
+            f"rms_norm[{impl}]",
+            lambda x, residual, w, impl=impl: pk.rms_norm(
+                x, w, residual=residual, implementation=impl
+            ),
+            f32(T, 8),
+            f32(T, 8),
+            f32(8),
+        )
     return results
 
 
@@ -560,6 +571,7 @@ def x64_check() -> list[str]:
         "masked_tail_attention": ATTENTION_IMPLS,
         "write_kv": WRITE_KV_IMPLS,
         "gated_rms_norm": NORM_IMPLS,
+        "rms_norm": RMS_NORM_IMPLS,
     }
     jax.config.update("jax_enable_x64", False)
     expected = _all_ops(impls)
