@@ -22,11 +22,11 @@ KERNEL_MAX_ROWS = 8
 class RMSNorm(nnx.Module):
     """``y = x / sqrt(mean(x²) + eps) · weight``, statistics in fp32 (``pk.rms_norm``).
 
-    ``implementation`` chooses its kernel as for the mixers' ops: ``"triton"`` always takes
-    the Pallas kernel; a preference (``"auto"``, a sequence of names) takes it up to
-    ``KERNEL_MAX_ROWS`` rows, XLA above. A model on a mesh passes ``"xla"``, whose ops XLA
-    partitions over the mesh like the rest of the residual stream (a Pallas call would need
-    a ``shard_map`` of its own)."""
+    ``implementation`` chooses its kernel as for the mixers' ops: a backend's name takes
+    that backend at any size (``"triton"``: the Pallas kernel); a preference (``"auto"``, a
+    sequence of names) takes the kernel up to ``KERNEL_MAX_ROWS`` rows, XLA above. A model
+    on a mesh passes ``"xla"``, whose ops XLA partitions over the mesh like the rest of the
+    residual stream (a Pallas call would need a ``shard_map`` of its own)."""
 
     def __init__(
         self,
@@ -52,7 +52,9 @@ class RMSNorm(nnx.Module):
         if residual is not None:
             residual = residual.reshape(rows.shape)
         implementation = self.implementation
-        if implementation != "triton" and rows.shape[0] > KERNEL_MAX_ROWS:
+        # A named backend is a demand, served (or refused) at any size.
+        preference = implementation == "auto" or not isinstance(implementation, str)
+        if preference and rows.shape[0] > KERNEL_MAX_ROWS:
             implementation = "xla"
         out = pk.rms_norm(
             rows, self.weight[...], residual=residual, eps=self.eps, implementation=implementation

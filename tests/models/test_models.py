@@ -314,6 +314,10 @@ def test_a_preference_takes_the_norm_kernel_up_to_its_row_limit():
         np.testing.assert_array_equal(total, x + residual)
         reference = norm_layer.RMSNorm(16, eps=1e-5, implementation="xla")(x + residual)
         assert_close(y, reference, rtol=1e-6, name=f"{impl} {rows} rows")
+    # A name is a demand at any size: a backend the op lacks is refused, not swapped.
+    x = jnp.ones((limit + 1, 16))
+    with pytest.raises(ValueError, match="'mosaic' is not available for rms_norm"):
+        norm_layer.RMSNorm(16, eps=1e-5, implementation="mosaic")(x, x)
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected():
