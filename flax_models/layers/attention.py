@@ -74,7 +74,7 @@ class Attention(nnx.Module):
             out, cache = local._attend(h, batch, cache)
             kernel = local.o_proj.kernel[...]
             part = jnp.dot(out.astype(kernel.dtype), kernel, precision=local.o_proj.precision)
-            return psum_tp(part, local.implementation), cache
+            return psum_tp(part, local.implementation, self.mesh), cache
 
         out, cache = shard_call(
             self, body, (h, batch, cache), (P(), P(), CACHE_SPEC), (P(), CACHE_SPEC)

@@ -100,12 +100,12 @@ class Mamba2Mixer(nnx.Module):
                 part = jnp.dot(
                     terms.astype(kernel.dtype), kernel, precision=local.out_proj.precision
                 )
-                part, squares = psum_tp((part, squares), local.implementation)
+                part, squares = psum_tp((part, squares), local.implementation, self.mesh)
                 inv_rms = local._inv_rms(squares, terms.shape[-1] * tp)
                 return (part.astype(jnp.float32) * inv_rms[:, None]).astype(part.dtype), cache
             y, cache = local._mix(h, batch, cache)
             part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
-            return psum_tp(part, local.implementation), cache
+            return psum_tp(part, local.implementation, self.mesh), cache
 
         spec = mamba_cache_spec(cache)
         out, cache = shard_call(self, body, (h, batch, cache), (P(), P(), spec), (P(), spec))

@@ -69,7 +69,7 @@ class MLP(nnx.Module):
             kernel = local.down.kernel[...]
             hidden = local._hidden(x).astype(kernel.dtype)
             part = jnp.dot(hidden, kernel, precision=local.down.precision)
-            return psum_tp(part, local.implementation)
+            return psum_tp(part, local.implementation, self.mesh)
 
         out = shard_call(self, body, (x,), (P(),), P(), groups=groups)
         if self.down.bias is not None:  # row-parallel: added once, after the sum

@@ -177,7 +177,7 @@ class MoE(nnx.Module):
         else:  # expert widths split over tp: every device routes, sums its partial outputs
             out = shard_call(
                 self,
-                lambda local, x: psum_tp(local._routed(x), local.implementation),
+                lambda local, x: psum_tp(local._routed(x), local.implementation, self.mesh),
                 (x,),
                 (P(),),
                 P(),

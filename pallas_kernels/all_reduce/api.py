@@ -14,21 +14,25 @@ from pallas_kernels import _validation as checks
 from pallas_kernels.all_reduce import mosaic, reference
 from pallas_kernels.backend import Backend, Call, Implementation, Op, backend_names
 
-# Where a request naming ``mosaic`` among others takes the kernel: two devices and 1-16
-# MiB a call. Measured on two H200s of one host in a Bamba-9B-shaped decode step
-# (2026-11-27): at 256 rows (2 MiB a call), with the prototype of this kernel, 16.23 ms
-# against 16.75 / 16.91 ms with psum alternated on one machine (16.27 on another); at one
-# row (8 KiB) 5.37 against 4.35 ms, the kernel's launch (XLA's barrier and collective
-# metadata, about 35 µs chained) costing more than NCCL's 19-25 µs. This op, with ``auto``
-# then taking the kernel there, took 17.18 ms at 256 rows on a third machine without a
-# psum run beside it, so ``auto`` keeps psum until one machine compares the two. On two
-# H100s (2026-11-28) the model with its tp all-reduces in this window printed no row within
-# 110 s, twice, while a chain of the kernel alone ran (25.9 against psum's 28.0 µs at 256
-# rows); a hang or a slow compile, not yet known. Above
-# 16 MiB (prefill) NCCL's own kernels were not measured against it, and on more devices a
-# one-shot read moves more bytes than a ring.
+# Where a request naming ``mosaic`` among others takes the kernel: two devices of one
+# process and 2-16 MiB a call (a 256-row decode step's 2 MiB; from 2026-11-28, when a
+# model's auto began to ask for it, the lower bound is the measured 2 MiB, not 1 MiB: a
+# Nemotron-H-56B-shaped 64-row step's 1 MiB stays on psum as it was measured). Measured in the
+# Bamba-9B-shaped tp = 2 decode step at 256 rows: on two H200s (2026-11-27), alternated
+# processes on one machine, 16.23 ms with the kernel's prototype against 16.91 / 16.75 ms
+# with psum; on two H100s (2026-11-28), two engines of one model alternated in one process,
+# 20.500 / 20.556 ms against psum's 20.854 / 20.846. At one row (8 KiB) the kernel loses
+# (5.37 against 4.35 ms a step, two H200s): its launch (XLA's barrier and collective
+# metadata, about 35 µs chained) costs more than NCCL's 19-25 µs. Above 16 MiB (prefill)
+# NCCL's own kernels were not measured against it, and on more devices a one-shot read
+# moves more bytes than a ring. Several processes (one GPU each) keep psum: the kernel has
+# only run with one process driving every GPU.
+#
+# ``auto`` is psum: Mosaic's lowering takes only meshes whose device ids are row-major
+# (``arange``), which the op, traced inside ``shard_map``, cannot see. The model's layers,
+# which know their mesh, ask for the window (``flax_models.sharding.psum_tp``).
 KERNEL_DEVICES: Final = 2
-KERNEL_MIN_BYTES: Final = 1 << 20
+KERNEL_MIN_BYTES: Final = 2 << 20
 KERNEL_MAX_BYTES: Final = 16 << 20
 
 
@@ -50,9 +54,13 @@ ALL_REDUCE = Op(
 
 def in_kernel_window(arrays: Sequence[jax.Array], devices: int) -> bool:
     """Whether a request naming ``mosaic`` among other backends takes the kernel for
-    ``arrays`` summed over ``devices`` (``KERNEL_*``)."""
+    ``arrays`` summed over ``devices`` (``KERNEL_*``; one process)."""
     payload = sum(x.size * np.dtype(x.dtype).itemsize for x in arrays)
-    return devices == KERNEL_DEVICES and KERNEL_MIN_BYTES <= payload <= KERNEL_MAX_BYTES
+    return (
+        devices == KERNEL_DEVICES
+        and KERNEL_MIN_BYTES <= payload <= KERNEL_MAX_BYTES
+        and jax.process_count() == 1
+    )
 
 
 def all_reduce(
@@ -67,11 +75,13 @@ def all_reduce(
       axis_name: a mesh axis bound by the enclosing ``shard_map``.
       implementation: ``"xla"`` and ``"auto"``: ``lax.psum`` (NCCL on GPUs). ``"mosaic"``:
         the one-shot Pallas Mosaic GPU kernel (``all_reduce/mosaic.py``; Hopper GPUs driven
-        by one process). A sequence of names holding ``"mosaic"`` (the layers of a model on
-        ``implementation="mosaic"`` ask for ``("mosaic", "triton")``): the kernel in the
-        window where it was measured faster (``KERNEL_*``: two devices, 1-16 MiB) when the
-        device runs it, else ``psum``. The kernel sums in device order in fp32, so every device
-        gets the same bits; ``psum`` leaves the order to NCCL.
+        by one process, on a mesh whose device ids are row-major: ``mesh.device_ids`` of
+        ``arange``, which the caller knows and this op cannot see). A sequence of names
+        holding ``"mosaic"`` (a model's layers ask for ``("mosaic", "xla")`` on ``auto``,
+        ``("mosaic",)`` on ``"mosaic"``: ``flax_models.sharding.psum_tp``): the kernel in
+        the window where it was measured faster (``KERNEL_*``: two devices of one process,
+        2-16 MiB) when the device runs it, else ``psum``. The kernel sums in device order
+        in fp32, so every device gets the same bits; ``psum`` leaves the order to NCCL.
 
     Returns:
       ``x``'s structure, each array summed over the axis (``x`` itself when the axis has

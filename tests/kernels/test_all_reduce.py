@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from flax_models import sharding
 from flax_models.sharding import psum_tp
 from pallas_kernels.all_reduce import api, mosaic
 from pallas_kernels.backend import supports_mosaic
@@ -35,6 +38,7 @@ def test_routing_by_request_devices_and_bytes():
     rows = lambda n: [jax.ShapeDtypeStruct((n, 4096), jnp.bfloat16)]  # noqa: E731
     assert api.in_kernel_window(rows(256), 2)  # 2 MiB: measured faster
     assert not api.in_kernel_window(rows(1), 2)  # 8 KiB: NCCL's latency is lower
+    assert not api.in_kernel_window(rows(128), 2)  # 1 MiB: not measured against psum
     assert not api.in_kernel_window(rows(256), 4)  # not measured on four devices
     assert not api.in_kernel_window(rows(4096), 2)  # 32 MiB: above the measured window
     chosen = []
@@ -50,6 +54,45 @@ def test_routing_by_request_devices_and_bytes():
     # auto keeps psum; a family naming mosaic takes the kernel in its window where the
     # device runs it (a Hopper GPU), psum elsewhere.
     assert chosen == ["xla", "mosaic" if supports_mosaic() else "xla", "xla"]
+
+
+def test_window_is_one_process(monkeypatch):
+    rows = [jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)]
+    assert api.in_kernel_window(rows, 2)
+    # One GPU a process: the kernel has only run with one process driving every GPU.
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not api.in_kernel_window(rows, 2)
+
+
+def _mesh_like(ids, **axes):
+    """What ``kernel_mesh`` reads of a mesh (device ids, axis sizes), for orders of devices
+    a one-device test process cannot build."""
+    return types.SimpleNamespace(device_ids=np.array(ids).reshape(tuple(axes.values())), shape=axes)
+
+
+def test_model_all_reduces_ask_for_the_window_where_the_kernel_lowers(monkeypatch):
+    """A model's ``auto`` asks all_reduce for ("mosaic", "xla") on a mesh Mosaic lowers
+    for (device ids row-major, tp the only axis of several devices) and psum on any
+    other; one backend name goes as a one-name family."""
+    asked = []
+    monkeypatch.setattr(
+        sharding, "all_reduce", lambda x, axis, implementation: asked.append(implementation)
+    )
+    row_major = _mesh_like([0, 1], tp=2)
+    cases = [
+        ("auto", row_major, ("mosaic", "xla")),
+        ("mosaic", row_major, ("mosaic",)),
+        ("triton", row_major, ("triton",)),
+        (("mosaic", "triton"), row_major, ("mosaic", "triton")),
+        ("auto", _mesh_like([1, 0], tp=2), "xla"),  # Mosaic's lowering would raise
+        ("mosaic", _mesh_like([2, 3], tp=2), "xla"),
+        ("auto", _mesh_like([0, 1, 2, 3], dp=2, tp=2), "xla"),
+        ("auto", _mesh_like([0, 1], dp=1, tp=2), ("mosaic", "xla")),
+        ("auto", None, "xla"),
+    ]
+    for implementation, mesh, _ in cases:
+        psum_tp(jnp.zeros(2), implementation, mesh)
+    assert asked == [expected for _, _, expected in cases]
 
 
 def test_a_layers_implementation_is_a_preference():
