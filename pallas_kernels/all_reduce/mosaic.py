@@ -25,6 +25,7 @@ and padded to whole 128-thread vectors (16 bytes a thread) by the caller
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Final
 
@@ -68,7 +69,52 @@ def _tile(size: int, dtype) -> int:
 
 
 def all_reduce(arrays: tuple, *, axis_name: str) -> tuple:
-    """See :func:`pallas_kernels.all_reduce`; arguments are already validated."""
+    """See :func:`pallas_kernels.all_reduce`; arguments are already validated.
+
+    Differentiable, with ``lax.psum``'s own transposes. Under ``shard_map(check_vma=
+    False)`` (the model's ``shard_call``) every device holds its own output's cotangent,
+    and since every output is the sum of every input, each input's cotangent is the sum
+    of them: this kernel again. Under the check, an input that varies over the axis gets
+    the cotangent as it arrives, already summed over the devices by the transpose of the
+    output's implicit ``pvary``."""
+    arrays = tuple(arrays)
+    varying = tuple(axis_name in _varying_axes(x) for x in arrays)
+    return _differentiable_sum(axis_name, varying, arrays)
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual axes over which ``x`` varies (under ``shard_map(check_vma=True)``; none
+    without that check)."""
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset() if kind is None else kind.varying
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _differentiable_sum(axis_name: str, varying: tuple[bool, ...], arrays: tuple) -> tuple:
+    return summed_over_devices(arrays, axis_name=axis_name)
+
+
+def _sum_fwd(axis_name: str, varying: tuple[bool, ...], arrays: tuple) -> tuple[tuple, None]:
+    return summed_over_devices(arrays, axis_name=axis_name), None
+
+
+def _sum_bwd(axis_name: str, varying: tuple[bool, ...], _, cotangents: tuple) -> tuple[tuple]:
+    cotangents = tuple(cotangents)
+    local = [c for c, v in zip(cotangents, varying, strict=True) if not v]
+    summed = iter(summed_over_devices(tuple(local), axis_name=axis_name) if local else ())
+    return (
+        tuple(
+            lax.pcast(c, axis_name, to="varying") if v else next(summed)
+            for c, v in zip(cotangents, varying, strict=True)
+        ),
+    )
+
+
+_differentiable_sum.defvjp(_sum_fwd, _sum_bwd)
+
+
+def summed_over_devices(arrays: tuple, *, axis_name: str) -> tuple:
+    """The kernel's launch: every array of ``arrays`` summed over ``axis_name``."""
     devices = lax.axis_size(axis_name)
     flat = flat_operands(arrays)
     tile_sizes = [_tile(f.size, f.dtype) for f in flat]

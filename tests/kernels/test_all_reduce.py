@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,8 @@ from flax_models.sharding import psum_tp
 from pallas_kernels.all_reduce import api, mosaic
 from pallas_kernels.backend import supports_mosaic
 from tests.helpers import _H100
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _over_axis(fn, *arrays):
@@ -117,12 +123,73 @@ def test_bad_arguments():
             _over_axis(lambda v: pk.all_reduce(v, "tp", implementation="mosaic"), x)
 
 
+_BACKWARD_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from pallas_kernels.all_reduce import mosaic
+
+launches = []
+def launch(arrays, *, axis_name):  # the kernel's launch, stood in for by psum
+    launches.append(len(arrays))
+    return jax.lax.psum(arrays, axis_name)
+mosaic.summed_over_devices = launch
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+rng = np.random.default_rng(1)
+x, squares = jnp.asarray(rng.standard_normal((4, 8))), jnp.asarray(rng.random((4,)))
+wx, ws = jnp.asarray(rng.standard_normal(x.shape)), jnp.asarray(rng.standard_normal(4))
+specs = dict(mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=(P("tp"), P("tp")))
+
+def grads(sum_fn, check_vma, square):
+    summed = jax.shard_map(lambda a, b: sum_fn((a, b)), check_vma=check_vma, **specs)
+    def loss(x, s):
+        y, t = summed(x, s)
+        return jnp.sum(wx * (y * y if square else y)) + jnp.sum(ws * t)
+    return jax.grad(loss, argnums=(0, 1))(x, squares)
+
+kernel = lambda v: mosaic.all_reduce(v, axis_name="tp")
+psum = lambda v: jax.lax.psum(v, "tp")
+# Without shard_map's check: device d holds rows [2d, 2d + 2), and its input's gradient of
+# a linear loss is the sum of both devices' output cotangents, the same on both.
+gx, gs = grads(kernel, False, False)
+halves = lambda w: np.concatenate([np.asarray(w)[:2] + np.asarray(w)[2:]] * 2)
+np.testing.assert_allclose(gx, halves(wx), rtol=1e-6)
+np.testing.assert_allclose(gs, halves(ws), rtol=1e-6)
+assert launches == [2, 2], launches  # one launch forward, one backward
+# And psum's own gradients, with and without the check, for a loss of the sums' squares.
+for check_vma in (False, True):
+    for ours, psums in zip(grads(kernel, check_vma, True), grads(psum, check_vma, True)):
+        np.testing.assert_allclose(ours, psums, rtol=1e-6)
+print("ok")
+"""
+
+
+def test_mosaic_backward_sums_the_cotangents():
+    """The kernel's VJP over two CPU devices, its launches stood in for by psum (no Mosaic
+    GPU on a CPU): without shard_map's check every device's output is the sum of every
+    device's input, so each input's gradient is the sum over devices of the outputs'
+    cotangents (one launch forward, one backward); with and without the check, the
+    gradients are psum's own."""
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _BACKWARD_SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_one_device_returns_its_input():
     x = jnp.arange(6.0).reshape(1, 6)
     np.testing.assert_array_equal(_over_axis(lambda v: pk.all_reduce(v, "tp"), x), x)
 
 
-def _lower_mosaic(devices: int, shapes) -> str:
+def _lower_mosaic(devices: int, shapes, *, grad: bool = False, check_vma: bool = True) -> str:
     mesh = jax.sharding.AbstractMesh((devices,), ("tp",), abstract_device=_H100)
     split = jax.sharding.NamedSharding(mesh, P("tp"))
     args = [jax.ShapeDtypeStruct((devices * s[0], *s[1:]), dt, sharding=split) for s, dt in shapes]
@@ -132,7 +199,10 @@ def _lower_mosaic(devices: int, shapes) -> str:
             mesh=mesh,
             in_specs=(P("tp"),) * len(args),
             out_specs=(P("tp"),) * len(args),
+            check_vma=check_vma,
         )
+        if grad:  # the gradient of the first output's sum of squares
+            fn = jax.grad(lambda *xs, fn=fn: jnp.sum(jnp.square(fn(*xs)[0])))
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -146,6 +216,15 @@ def test_mosaic_lowers_as_one_collective_launch_behind_the_barrier(devices):
     assert len(calls) == 1
     assert "uses_xla_collective_metadata = true" in calls[0]
     assert "skip_device_barrier = false" in calls[0]
+
+
+def test_mosaic_gradient_lowers_as_a_second_launch():
+    """Under the model's ``shard_map(check_vma=False)`` the backward pass is the kernel
+    again, on the cotangents (no psum): a loss that needs the forward's sums launches it
+    twice."""
+    text = _lower_mosaic(2, [((256, 4096), jnp.float32)], grad=True, check_vma=False)
+    assert text.count("custom_call @mosaic_gpu") == 2
+    assert "stablehlo.all_reduce" not in text
 
 
 def test_flat_operands_pad_to_whole_vectors():
@@ -183,3 +262,26 @@ def test_mosaic_equals_psum_on_two_gpus(rows):
     np.testing.assert_array_equal(a[:rows], a[rows:])
     np.testing.assert_array_equal(a, c)
     np.testing.assert_allclose(np.asarray(b), np.asarray(d), rtol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.device_count() < 2 or not supports_mosaic(), reason="two Hopper GPUs")
+def test_mosaic_gradient_equals_psums_on_two_gpus():
+    """jax.grad through the kernel (its backward is the kernel on the cotangents) gives
+    psum's gradient on every device."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2 * 256, 4096)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+    def grad(impl):
+        summed = jax.shard_map(
+            lambda a: pk.all_reduce(a, "tp", implementation=impl),
+            mesh=mesh,
+            in_specs=P("tp"),
+            out_specs=P("tp"),
+            check_vma=False,
+        )
+        return np.asarray(jax.jit(jax.grad(lambda a: jnp.sum(weight * summed(a))))(x))
+
+    np.testing.assert_array_equal(grad("mosaic"), grad("xla"))
