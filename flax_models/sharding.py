@@ -351,13 +351,14 @@ def cache_specs(
     return split_groups(specs) if groups > 1 else specs
 
 
-def state_shardings(state, mesh: Mesh):
-    """A ``NamedSharding`` per variable of an ``nnx.State`` (same tree)."""
+def state_shardings(state, mesh: Mesh, prefix: tuple[str, ...] = ()):
+    """A ``NamedSharding`` per variable of an ``nnx.State`` (same tree); ``prefix``: the
+    module path of the state's owner, when it is a part of a model."""
     tp = tp_size(mesh)
-    flat = [
-        (path, var.replace(NamedSharding(mesh, param_spec(tuple(map(str, path)), var.shape, tp))))
-        for path, var in nnx.to_flat_state(state)
-    ]
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        spec = param_spec((*prefix, *map(str, path)), var.shape, tp)
+        flat.append((path, var.replace(NamedSharding(mesh, spec))))
     return nnx.from_flat_state(flat)
 
 

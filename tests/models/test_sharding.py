@@ -105,7 +105,14 @@ lap("bytes read")
 # Random init straight into shards equals the single-device init (same draws).
 cfg = HybridConfig.tiny()
 want = forward(HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(3)), ids % cfg.vocab_size)
+init_compiles = []
+def on_compile(event, secs, fun_name=None, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        init_compiles.append(fun_name)
+jax.monitoring.register_event_duration_secs_listener(on_compile)
 model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(3), mesh=mesh[2])
+jax.monitoring.unregister_event_duration_listener(on_compile)
+out["init_programs"] = init_compiles.count("jit(program)")
 out["logits"]["tiny_init@2"] = rel(want, model(ids % cfg.vocab_size))
 # jax.make_mesh gives Explicit axes by default: the model takes the same devices with Auto
 # axes (before, creating it, and the forward of a model loaded on it, raised).
@@ -357,6 +364,13 @@ def test_sharded_gradients_through_the_kernel_all_reduce(results):
     assert errors[worst] <= 1e-5, f"{worst}: relative error {errors[worst]}"
     # Forward and backward: the Mamba mixers' (output, squares) pairs, attention, MLPs.
     assert len(grads["launches"]) == 2 * 6 and sorted(set(grads["launches"])) == [1, 2]
+
+
+def test_random_init_compiles_one_program_a_kind_of_part(results):
+    """A sharded random init (HybridConfig.tiny: layers "MM*M", an untied head) compiles
+    one program for the embedding, one per kind of block (its three Mamba blocks share
+    one), one for the final norm and one for the head: 5, not one a layer."""
+    assert results["init_programs"] == 5
 
 
 def test_parameters_and_caches_are_split(results):
