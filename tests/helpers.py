@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,8 @@ import pytest
 
 from pallas_kernels.backend import Op, backend_for, supports_mosaic
 from pallas_kernels.testing import assert_close_per_row, assert_slots_untouched
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def implementations(op: Op) -> list[str]:
@@ -175,6 +181,30 @@ def fast_compile_env(environ: Mapping[str, str]) -> dict[str, str]:
     if jax.default_backend() == "cpu":
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
     return env
+
+
+def cpu_devices_env(count: int) -> dict[str, str]:
+    """This process's environment for a child process with ``count`` CPU devices (the XLA
+    flag must be set before JAX starts, hence a subprocess)."""
+    return dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={count}",
+    )
+
+
+def run_python(
+    code: str, *args: str, env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """``python -c code *args`` from the repository root, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def eqns_outside_kernels(jaxpr):

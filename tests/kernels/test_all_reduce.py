@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +15,7 @@ from flax_models import sharding
 from flax_models.sharding import psum_tp
 from pallas_kernels.all_reduce import api, mosaic
 from pallas_kernels.backend import supports_mosaic
-from tests.helpers import _H100
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import _H100, cpu_devices_env, run_python
 
 
 def _over_axis(fn, *arrays):
@@ -170,17 +164,7 @@ def test_mosaic_backward_sums_the_cotangents():
     device's input, so each input's gradient is the sum over devices of the outputs'
     cotangents (one launch forward, one backward); with and without the check, the
     gradients are psum's own."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _BACKWARD_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python(_BACKWARD_SCRIPT, env=cpu_devices_env(2), timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +31,12 @@ from pallas_kernels.norm import api as norm_api
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.state_update import api as state_update_api
 from tests.helpers import (
+    REPO_ROOT,
     assert_bit_identical,
     fast_compile_env,
     implementations,
     query_start_loc,
+    run_python,
     tiled_implementations,
 )
 
@@ -52,7 +51,6 @@ ATTENTION_IMPLS = tiled_implementations(attention_api.MASKED_TAIL_ATTENTION)
 WRITE_KV_IMPLS = implementations(attention_api.WRITE_KV)
 NORM_IMPLS = implementations(norm_api.GATED_RMS_NORM)
 RMS_NORM_IMPLS = implementations(norm_api.RMS_NORM)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _normal(rng: np.random.Generator, *shape) -> np.ndarray:
@@ -620,14 +618,7 @@ def test_every_op_and_implementation_runs_under_x64():
     env = fast_compile_env(os.environ)  # every program compiles once: skip XLA's -O passes
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.pop("JAX_ENABLE_X64", None)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_python(code, env=env, timeout=600)
     assert done.returncode == 0, f"under x64:\n{done.stdout}\n{done.stderr[-4000:]}"
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -34,8 +32,7 @@ from flax_models.sharding import (
     tp_size,
     with_tp_axis,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO_ROOT, cpu_devices_env, run_python
 
 # Fixture → the tp sizes it is checked at. Together they cover: split and copied B/C groups
 # (norm local, or its sum of squares all-reduced, normed before or after the gate), split
@@ -323,19 +320,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(_LOGIT_CASES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_python(_SCRIPT, json.dumps(_LOGIT_CASES), env=cpu_devices_env(4), timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -517,7 +502,7 @@ def test_dp_meshes_and_specs():
         assert placed.devices.ravel().tolist() == mesh.devices.ravel().tolist()
     assert with_tp_axis(mesh := jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))) is mesh
     # The loader accepts it as the model does (the specs name "tp": one of size 1).
-    loaded = load_hf_checkpoint(ROOT / "tests/fixtures/bamba", mesh=dp_only)
+    loaded = load_hf_checkpoint(REPO_ROOT / "tests/fixtures/bamba", mesh=dp_only)
     assert loaded.mesh.axis_names == ("dp", "tp")
 
 
@@ -618,9 +603,7 @@ def test_two_processes_match_a_single_device(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2"
-    )
+    env = cpu_devices_env(2)
     outs = [tmp_path / f"out_{p}.npz" for p in (0, 1)]
     procs = [
         subprocess.Popen(
@@ -632,7 +615,7 @@ def test_two_processes_match_a_single_device(tmp_path):
                 str(p),
                 str(outs[p]),
             ],
-            cwd=ROOT,
+            cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -650,7 +633,7 @@ def test_two_processes_match_a_single_device(tmp_path):
     from flax_models import Engine, load_hf_checkpoint
 
     ids = np.random.default_rng(0).integers(0, 96, (2, 19))
-    single = load_hf_checkpoint(ROOT / "tests/fixtures/bamba", implementation="xla")
+    single = load_hf_checkpoint(REPO_ROOT / "tests/fixtures/bamba", implementation="xla")
     want = np.asarray(single(ids))
     tokens = Engine(single, max_slots=2, max_len=40, token_budget=16).generate(_PROMPTS, 5)
     for out in outs:
