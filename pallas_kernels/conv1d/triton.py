@@ -781,7 +781,61 @@ def _update_kernel(
             )
 
 
+@functools.cache
+def _differentiable_update(activation: str | None, config: BlockSizes, interpret: bool):
+    """The decode kernel with its Pallas backward kernel (:func:`update_backward`), for one
+    set of static options."""
+    options = dict(activation=activation, config=config, interpret=interpret)
+
+    @jax.custom_vjp
+    def update(x, conv_state_cache, weight, bias, slot_ids):
+        return update_rows(x, conv_state_cache, weight, bias, slot_ids=slot_ids, **options)
+
+    def forward(*args):
+        # The input cache is a residual: the backward reads the history the step shifted
+        # out (under differentiation XLA keeps a copy instead of updating in place).
+        return update(*args), args
+
+    def backward_rule(residuals, cotangents):
+        x, cache, weight, bias, slot_ids = residuals
+        dy, dcache = cotangents
+        dx, dcache_in, dweight, dbias = update_backward(
+            x,
+            cache,
+            weight,
+            bias,
+            dy,
+            dcache,
+            slot_ids=slot_ids,
+            activation=activation,
+            interpret=interpret,
+        )
+        return dx, dcache_in, dweight, dbias, None
+
+    update.defvjp(forward, backward_rule)
+    return update
+
+
 def causal_conv1d_update(
+    x: jax.Array,
+    conv_state_cache: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    *,
+    slot_ids: jax.Array,
+    activation: str | None,
+    config: BlockSizes,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.causal_conv1d_update`; ``x`` is ``[Bd, L, dim]`` here and
+    arguments are already validated. Differentiable in x, the cache, weight and bias
+    through :func:`update_backward`."""
+    return _differentiable_update(activation, config, interpret)(
+        x, conv_state_cache, weight, bias, slot_ids
+    )
+
+
+def update_rows(
     x: jax.Array,
     conv_state_cache: jax.Array,
     weight: jax.Array,
@@ -793,10 +847,10 @@ def causal_conv1d_update(
     x_col0: int = 0,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """See :func:`pallas_kernels.causal_conv1d_update`; ``x`` is ``[Bd, L, dim]`` here, or
-    wider with the conv's channels at columns ``x_col0 .. x_col0 + dim`` (the fused Mamba2
-    decode step reads them from in_proj's packed output; the caller checks the window).
-    Returns ``(y[Bd, L, dim], new_conv_state_cache)``."""
+    """The decode kernel: ``x`` is ``[Bd, L, dim]``, or wider with the conv's channels at
+    columns ``x_col0 .. x_col0 + dim`` (the fused Mamba2 decode step reads them from
+    in_proj's packed output; the caller checks the window). Returns ``(y[Bd, L, dim],
+    new_conv_state_cache)``."""
     rows, steps = x.shape[:2]
     dim, width = weight.shape
     blocks = config
@@ -822,3 +876,140 @@ def causal_conv1d_update(
         interpret=interpret,
         name=f"causal_conv1d_update_k{width}_bd{block_d}",
     )(*args)
+
+
+def _update_backward_kernel(
+    slot_ref,  # [Bd] int32
+    x_ref,  # [Bd, L, dim]
+    w_ref,  # [dim, K]
+    *refs,
+    has_bias: bool,
+    width: int,
+    block_d: int,
+    activation: str | None,
+):
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    cache_ref, dy_ref, dcache_in_ref, dx_ref, dw_ref = refs[:5]  # dw: [Bd, K, dim] partials
+    refs = refs[5:]
+    db_ref = refs.pop(0) if has_bias else None  # [Bd, dim] partials
+    (dcache_ref,) = refs
+    del dcache_in_ref  # the same buffer as dcache_ref
+    r, dblk = pl.program_id(0), pl.program_id(1)
+    steps, dim = x_ref.shape[1:]
+    hist = width - 1
+    d0 = dblk * block_d
+    cols = pl.ds(d0, block_d)
+    d_live = d0 + jnp.arange(block_d) < dim
+    slot = slot_ref[r]
+    f32 = jnp.float32
+
+    def load(ref):
+        return plgpu.load(ref, mask=d_live, other=0.0).astype(f32)
+
+    @pl.when(slot >= 0)
+    def _live():
+        w = [load(w_ref.at[cols, static_index(k)]) for k in range(width)]
+        # The row's inputs in order: the K-1 history columns, then its L tokens.
+        u = [load(cache_ref.at[slot, static_index(j), cols]) for j in range(hist)]
+        u += [load(x_ref.at[r, static_index(l), cols]) for l in range(steps)]
+        pre = [sum(u[l + k] * w[k] for k in range(width)) for l in range(steps)]
+        if bias_ref is not None:
+            bias = load(bias_ref.at[cols])
+            pre = [a + bias for a in pre]
+        dpre = [
+            load(dy_ref.at[r, static_index(l), cols]) * _activation_grad(pre[l], activation)
+            for l in range(steps)
+        ]
+        # The new state is u[L : L + K - 1]: its cotangent joins those inputs'.
+        du = [jnp.zeros((block_d,), f32) for _ in range(hist + steps)]
+        for c in range(hist):
+            du[steps + c] = load(dcache_ref.at[slot, static_index(c), cols])
+        for l in range(steps):
+            for k in range(width):
+                du[l + k] = du[l + k] + dpre[l] * w[k]
+        for l in range(steps):
+            plgpu.store(
+                dx_ref.at[r, static_index(l), cols], du[hist + l].astype(dx_ref.dtype), mask=d_live
+            )
+        for j in range(hist):
+            plgpu.store(
+                dcache_ref.at[slot, static_index(j), cols],
+                du[j].astype(dcache_ref.dtype),
+                mask=d_live,
+            )
+        for k in range(width):
+            dw = sum(dpre[l] * u[l + k] for l in range(steps))
+            plgpu.store(dw_ref.at[r, static_index(k), cols], dw, mask=d_live)
+        if db_ref is not None:
+            plgpu.store(db_ref.at[r, cols], sum(dpre), mask=d_live)
+
+    @pl.when(slot < 0)
+    def _padding():
+        zeros = jnp.zeros((block_d,), f32)
+        for l in range(steps):
+            plgpu.store(
+                dx_ref.at[r, static_index(l), cols], zeros.astype(dx_ref.dtype), mask=d_live
+            )
+        for k in range(width):
+            plgpu.store(dw_ref.at[r, static_index(k), cols], zeros, mask=d_live)
+        if db_ref is not None:
+            plgpu.store(db_ref.at[r, cols], zeros, mask=d_live)
+
+
+def update_backward(
+    x: jax.Array,
+    conv_state_cache: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    dy: jax.Array,
+    dcache: jax.Array,
+    *,
+    slot_ids: jax.Array,
+    activation: str | None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Gradients of :func:`causal_conv1d_update` (``x[Bd, L, dim]``) from the cotangents
+    ``dy[Bd, L, dim]`` and ``dcache[S, K-1, dim]`` (of the new cache), ``conv_state_cache``
+    the step's input cache.
+
+    One program per (row, channel block) rebuilds the row's inputs, its slot's ``K-1``
+    history columns then its ``L`` tokens, and their pre-activations; each input's
+    cotangent is what its taps feed (``dpre_l w_k``) plus, for the last ``K-1``, the new
+    state's. It writes dx whole and the history's cotangent in place over ``dcache`` (slots
+    no row names keep theirs: the step copies them through); dweight and dbias are
+    per-row partial sums, summed in ``jnp``. Padding rows get 0. Returns ``(dx,
+    dconv_state_cache, dweight, dbias)`` in their inputs' dtypes."""
+    rows, steps, dim = x.shape
+    width = weight.shape[1]
+    block_d = default_update_block_sizes(dim).block_d
+    f32 = jnp.float32
+    args = [checked_slots(slot_ids, conv_state_cache.shape[0]), x, weight]
+    args += [] if bias is None else [bias]
+    args += [conv_state_cache, dy, dcache]
+    out_shape = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct((rows, width, dim), f32),
+    ]
+    if bias is not None:
+        out_shape.append(jax.ShapeDtypeStruct((rows, dim), f32))
+    out_shape.append(jax.ShapeDtypeStruct(dcache.shape, dcache.dtype))
+    outs = pl.pallas_call(
+        functools.partial(
+            _update_backward_kernel,
+            has_bias=bias is not None,
+            width=width,
+            block_d=block_d,
+            activation=activation,
+        ),
+        grid=(rows, pl.cdiv(dim, block_d)),
+        out_shape=tuple(out_shape),
+        input_output_aliases={len(args) - 1: len(out_shape) - 1},
+        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"causal_conv1d_update_bwd_k{width}_bd{block_d}",
+    )(*args)
+    dx, dw_parts = outs[:2]
+    dbias = None if bias is None else jnp.sum(outs[2], axis=0).astype(bias.dtype)
+    dweight = jnp.sum(dw_parts, axis=0).T.astype(weight.dtype)
+    return dx, outs[-1], dweight, dbias

@@ -3,6 +3,8 @@ the three ops' references on the split ``z | xBC | dt`` row."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -11,7 +13,7 @@ from pallas_kernels.norm import reference as norm
 from pallas_kernels.state_update import reference as state_update
 
 
-def mamba2_decode(
+def composed(
     zxbcdt: jax.Array,
     conv_state_cache: jax.Array,
     conv_weight: jax.Array,
@@ -19,6 +21,9 @@ def mamba2_decode(
     ssm_state_cache: jax.Array,
     A_log: jax.Array,
     *,
+    conv_update: Callable,
+    state_update: Callable,
+    gated_norm: Callable,
     num_groups: int,
     slot_ids: jax.Array,
     D: jax.Array | None,
@@ -30,14 +35,17 @@ def mamba2_decode(
     norm_eps: float,
     norm_before_gate: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """See :func:`pallas_kernels.mamba2_decode`; arguments are already validated."""
+    """The step as three ops on ``z``, ``xBC`` and ``dt`` sliced from the packed rows:
+    ``conv_update``, ``state_update`` and ``gated_norm`` take the arguments of
+    ``causal_conv1d_update``, ``selective_state_update`` and ``gated_rms_norm`` (the
+    references here; the Triton backend's backward passes its own ops)."""
     rows = zxbcdt.shape[0]
     H, P, N = ssm_state_cache.shape[1:]
     d_inner, conv_dim, gn = H * P, conv_weight.shape[0], num_groups * N
     z = zxbcdt[:, :d_inner]
     xbc = zxbcdt[:, d_inner : d_inner + conv_dim]
     dt = zxbcdt[:, d_inner + conv_dim :]
-    xbc, conv_state_cache = conv.causal_conv1d_update(
+    xbc, conv_state_cache = conv_update(
         xbc[:, None, :],
         conv_state_cache,
         conv_weight,
@@ -46,7 +54,7 @@ def mamba2_decode(
         activation="silu",
     )
     xbc = xbc.reshape(rows, conv_dim)
-    y, ssm_state_cache = state_update.selective_state_update(
+    y, ssm_state_cache = state_update(
         ssm_state_cache,
         xbc[:, :d_inner].reshape(rows, H, P),
         dt,
@@ -62,7 +70,7 @@ def mamba2_decode(
     )
     y = y.reshape(rows, d_inner)
     if norm_weight is not None:
-        y = norm.gated_rms_norm(
+        y = gated_norm(
             y,
             z,
             norm_weight,
@@ -71,3 +79,27 @@ def mamba2_decode(
             norm_before_gate=norm_before_gate,
         )
     return y, conv_state_cache, ssm_state_cache
+
+
+def mamba2_decode(
+    zxbcdt: jax.Array,
+    conv_state_cache: jax.Array,
+    conv_weight: jax.Array,
+    conv_bias: jax.Array | None,
+    ssm_state_cache: jax.Array,
+    A_log: jax.Array,
+    **options,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """See :func:`pallas_kernels.mamba2_decode`; arguments are already validated."""
+    return composed(
+        zxbcdt,
+        conv_state_cache,
+        conv_weight,
+        conv_bias,
+        ssm_state_cache,
+        A_log,
+        conv_update=conv.causal_conv1d_update,
+        state_update=state_update.selective_state_update,
+        gated_norm=norm.gated_rms_norm,
+        **options,
+    )
