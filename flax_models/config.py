@@ -358,8 +358,9 @@ class HybridConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> HybridConfig:
-        """Reads a Mamba2, Bamba, GraniteMoeHybrid (dense), Nemotron-H (dense) or Falcon-H1
-        ``config.json``; other families and MoE layers raise ``NotImplementedError``."""
+        """Reads a Mamba2, Bamba, GraniteMoeHybrid (dense or with experts), Nemotron-H (dense
+        or with ``moe`` layers) or Falcon-H1 ``config.json``; other families raise
+        ``NotImplementedError``."""
         model_type = config.get("model_type")
         reader = _FROM_HF.get(model_type)
         if reader is None:

@@ -196,9 +196,9 @@ class Engine:
         "linear")``): a large step pads by less than 4096 tokens (a 22.5k-token prefill runs
         in 24576, not 32768), for one more program per 4096 tokens of budget. The largest
         must hold ``token_budget`` tokens (a full prefill step).
-      kv_block_size: tokens per KV page (>= 1); the model's Mamba chunk size by default
-        (256 without Mamba layers). With prefix caching and Mamba layers, a multiple of
-        the chunk size (states are saved at chunk ends).
+      kv_block_size: tokens per KV page (>= 1); the model's ``mamba_chunk_size`` by
+        default (a field of configs without Mamba layers too). With prefix caching and
+        Mamba layers, a multiple of the chunk size (states are saved at chunk ends).
       num_kv_blocks: pages in the KV pool (>= 1); by default enough for every slot to
         hold ``max_len`` tokens. A request needing more pages than the pool holds is
         rejected; one needing more than are free now waits. With dp slot groups,
@@ -248,7 +248,9 @@ class Engine:
         cfg = model.cfg
         has_mamba = bool(set("MP") & set(cfg.layer_pattern))
         if kv_block_size is None:
-            kv_block_size = cfg.mamba_chunk_size if has_mamba else 256
+            # The Mamba chunk size (DESIGN §8): a cached prefix of one chunk or more hits;
+            # configs without Mamba layers keep the field too (256 unless set).
+            kv_block_size = cfg.mamba_chunk_size
         block_size = check_int("kv_block_size", kv_block_size, low=1)
         if prefix_caching and has_mamba and block_size % cfg.mamba_chunk_size:
             raise ValueError(

@@ -33,6 +33,22 @@ def check_int(name: str, value: object, *, low: int | None = None, what: str | N
     return number
 
 
+def check_float(name: str, value: object, *, low: float | None = None) -> float:
+    """``value`` as a float (not NaN; a bool refused), ``>= low`` when given; ``ValueError``
+    naming ``name`` otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a number") from None
+    if number != number:
+        raise ValueError(f"{name}={value!r} must not be NaN")
+    if low is not None and number < low:
+        raise ValueError(f"{name}={number} must be >= {low}")
+    return number
+
+
 def check_int_fields(config: object) -> None:
     """Every field of a block-size dataclass is an int, or None where the type allows it:
     ``ValueError`` naming the field otherwise (before the type's own range checks would
@@ -166,7 +182,11 @@ def check_ssm_inputs(
         check_shape("z", z, (R, H, P), f"[{rows}, H, P]")
     if dt_bias is not None:
         check_shape("dt_bias", dt_bias, (H,), "[H]")
-    lo, hi = (float(b) for b in dt_limit)
+    try:
+        lo, hi = dt_limit
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit={dt_limit!r} must be a pair (lo, hi)") from None
+    lo, hi = check_float("dt_limit[0]", lo), check_float("dt_limit[1]", hi)
     if not lo <= hi:
         raise ValueError(f"dt_limit={dt_limit} must satisfy lo <= hi")
     return lo, hi

@@ -75,7 +75,13 @@ def supports_mosaic(device: jax.Device | None = None) -> bool:
 def backend_names(implementation: Sequence[str]) -> tuple[str, ...]:
     """A sequence ``implementation`` as a tuple of backend names; ``ValueError`` when it is
     empty or names something else."""
-    names = tuple(implementation)
+    try:
+        names = tuple(implementation)
+    except TypeError:
+        raise ValueError(
+            f"implementation={implementation!r} must be one of {IMPLEMENTATIONS} or a sequence "
+            f"of backend names of {BACKEND_NAMES}"
+        ) from None
     if not names or any(n not in BACKEND_NAMES for n in names):
         raise ValueError(
             f"implementation={implementation!r}: a sequence must name backends of {BACKEND_NAMES}"

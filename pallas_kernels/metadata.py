@@ -53,15 +53,20 @@ class ChunkMetadata:
       seq_idx: int32[max_chunks], the sequence each chunk belongs to, ``-1`` for padding.
       last_chunk_indices: int32[B], each sequence's last chunk, ``-1`` without new tokens.
       num_chunks: int32[], number of real chunks.
-      chunk_size: the (static) chunk size the layout was built for; ``ssd_scan`` refuses
-        metadata built for another one.
+      chunk_size: the (static) chunk size the layout was built for (:func:`chunk_metadata`
+        sets it); ``ssd_scan`` refuses metadata built for another one. Metadata built by
+        hand from the four arrays (``ChunkMetadata(cu_chunk_seqlens, seq_idx,
+        last_chunk_indices, num_chunks)``) leaves it None: the scan takes its own
+        ``chunk_size`` as the layout's.
     """
 
     cu_chunk_seqlens: jax.Array
     seq_idx: jax.Array
     last_chunk_indices: jax.Array
     num_chunks: jax.Array
-    chunk_size: int = dataclasses.field(metadata=dict(static=True), kw_only=True)
+    chunk_size: int | None = dataclasses.field(
+        default=None, metadata=dict(static=True), kw_only=True
+    )
 
     @property
     def max_chunks(self) -> int:

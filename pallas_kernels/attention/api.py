@@ -302,7 +302,7 @@ def masked_tail_attention(
             slot_ids=checked_slot_ids,
             block_table=block_table,
             causal=bool(causal),
-            sm_scale=float(D**-0.5 if sm_scale is None else sm_scale),
+            sm_scale=D**-0.5 if sm_scale is None else checks.check_float("sm_scale", sm_scale),
             sliding_window=None if sliding_window is None else int(sliding_window),
         ),
         empty=(lambda: q) if T == 0 else None,

@@ -112,8 +112,7 @@ def check_packed_mixer(
         checks.check_shape("norm_weight", norm_weight, (d_inner,), "[d_inner]")
         if norm_group_size < 1 or d_inner % norm_group_size:
             raise ValueError(f"{norm_group_size=} must be >= 1 and divide d_inner={d_inner}")
-        if not norm_eps >= 0:
-            raise ValueError(f"{norm_eps=} must be >= 0")
+        checks.check_float("norm_eps", norm_eps, low=0.0)
     return PackedMixer(S, d_inner, G, dt_limit, int(norm_group_size))
 
 

@@ -123,7 +123,7 @@ def mamba2_prefill(
     )  # fmt: skip
     T, S, d_inner = zxbcdt.shape[0], mixer.num_slots, mixer.d_inner
     num_seqs = checks.check_sequences(query_start_loc, has_initial_state)
-    check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
+    metadata = check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
     checked_slot_ids = checks.check_slot_ids(slot_ids, num_seqs, S, "[B]")
     if validate:
         checks.validate_query_start_loc(query_start_loc, T)

@@ -81,8 +81,7 @@ def gated_rms_norm(
     group_size = checks.check_int("group_size", group_size, low=1)
     if Dm % group_size:
         raise ValueError(f"{group_size=} must be >= 1 and divide Dm={Dm}")
-    if not eps >= 0:
-        raise ValueError(f"{eps=} must be >= 0")
+    eps = checks.check_float("eps", eps, low=0.0)
     call = Call(
         (x, z, weight),
         dict(group_size=int(group_size), eps=float(eps), norm_before_gate=bool(norm_before_gate)),
@@ -133,8 +132,7 @@ def rms_norm(
         checks.check_shape("residual", residual, (T, D), "[T, D]")
         if residual.dtype != x.dtype:
             raise ValueError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
-    if not eps >= 0:
-        raise ValueError(f"{eps=} must be >= 0")
+    eps = checks.check_float("eps", eps, low=0.0)
     call = Call(
         (x, weight),
         dict(residual=residual, eps=float(eps)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -133,7 +134,7 @@ def ssd_scan(
     T, H, P = x.shape
     N = B.shape[2]
     num_seqs = metadata.last_chunk_indices.shape[0]
-    check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
+    metadata = check_metadata(metadata, num_tokens=T, num_seqs=num_seqs, chunk_size=chunk_size)
     if initial_states is not None:
         checks.check_floating("initial_states", initial_states)
         checks.check_shape("initial_states", initial_states, (num_seqs, H, P, N), "[B, H, P, N]")
@@ -241,10 +242,12 @@ def scatter_states(state_cache: jax.Array, states: jax.Array, slot_ids: jax.Arra
 
 def check_metadata(
     metadata: ChunkMetadata, *, num_tokens: int, num_seqs: int, chunk_size: int
-) -> None:
-    """Static checks: the metadata was built for this chunk size, with enough chunk slots."""
-    if chunk_size < 1:
-        raise ValueError(f"{chunk_size=} must be >= 1")
+) -> ChunkMetadata:
+    """Static checks: the metadata was built for this chunk size, with enough chunk slots.
+    Returns it with ``chunk_size`` recorded (metadata built by hand has none)."""
+    chunk_size = checks.check_int("chunk_size", chunk_size, low=1)
+    if metadata.chunk_size is None:
+        metadata = dataclasses.replace(metadata, chunk_size=chunk_size)
     if metadata.chunk_size != chunk_size:
         raise ValueError(
             f"metadata was built with chunk_size={metadata.chunk_size}, "
@@ -264,6 +267,7 @@ def check_metadata(
             f"B={num_seqs}, {chunk_size=}) = {needed}: some layouts of this bucket would lose "
             "chunks"
         )
+    return metadata
 
 
 def validate_metadata(metadata: ChunkMetadata, *, num_tokens: int, chunk_size: int) -> None:

@@ -471,3 +471,40 @@ def test_static_int_arguments_refuse_floats():
         pk.chunk_metadata(np.array([0.0, 5.5]), np.array([0]), chunk_size=4, max_chunks=4)
     metadata = pk.chunk_metadata([0, 5], [3], chunk_size=4, max_chunks=4)
     assert metadata.cu_chunk_seqlens.tolist()[:3] == [0, 1, 5]
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda a, k: pk.gated_rms_norm(*a, **(k | dict(eps="a"))), "eps='a' must be a number"),
+        (lambda a, k: pk.gated_rms_norm(*a, **(k | dict(eps=None))), "eps=None must be a number"),
+        (lambda a, k: pk.rms_norm(a[0], a[2], eps=None), "eps=None must be a number"),
+        (lambda a, k: pk.gated_rms_norm(*a, **k, implementation=None), "implementation=None"),
+        (lambda a, k: pk.gated_rms_norm(*a, **k, implementation=3), "implementation=3"),
+        (lambda a, k: _ssd_call(chunk_size="4"), "chunk_size='4' must be an int"),
+        (lambda a, k: _ssd_call(chunk_size=4.0), "chunk_size=4.0 must be an int"),
+        (lambda a, k: _ssd_call(dt_limit=(1.0,)), r"dt_limit=\(1.0,\) must be a pair"),
+        (lambda a, k: _ssd_call(dt_limit=("a", 1.0)), r"dt_limit\[0\]='a' must be a number"),
+        (lambda a, k: _attention_call(sm_scale="x"), "sm_scale='x' must be a number"),
+    ],
+)
+def test_bad_static_arguments_raise_value_errors_naming_them(call, match):
+    """DESIGN §5: a bad static argument raises ValueError naming it (before: TypeErrors
+    from comparisons and iteration, or a float() error without the argument's name)."""
+    args, kwargs = _norm_args()
+    with pytest.raises(ValueError, match=match):
+        call(args, kwargs)
+
+
+def _ssd_call(**options):
+    T, H, P, N = 8, 2, 4, 4
+    metadata = pk.chunk_metadata([0, 5, 8], [0, 0], chunk_size=4, max_chunks=6)
+    x, dt, B = jnp.ones((T, H, P)), jnp.ones((T, H)), jnp.ones((T, 1, N))
+    kwargs = dict(metadata=metadata, chunk_size=4) | options
+    return pk.ssd_scan(x, dt, -jnp.ones(H), B, B, implementation="xla", **kwargs)
+
+
+def _attention_call(**options):
+    q, k = jnp.ones((3, 2, 8)), jnp.ones((2, 8, 1, 8))
+    batch = dict(query_start_loc=[0, 3], kv_lens=[3], slot_ids=[0])
+    return pk.masked_tail_attention(q, k, k, **batch, implementation="xla", **options)

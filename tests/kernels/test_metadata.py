@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pallas_kernels as pk
 from pallas_kernels.metadata import (
     TOKEN_BUCKET_POLICIES,
+    ChunkMetadata,
     bucket_for,
     chunk_metadata,
     max_chunks_for,
@@ -45,6 +47,28 @@ def test_design_example():
     np.testing.assert_array_equal(md.seq_idx, [0, 0, 0, 1, 1, 2, 3])
     np.testing.assert_array_equal(md.last_chunk_indices, [2, 4, 5, 6])
     assert int(md.num_chunks) == 7
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_metadata_built_from_the_four_arrays(impl):
+    """DESIGN §4's constructor, ``ChunkMetadata(cu_chunk_seqlens, seq_idx,
+    last_chunk_indices, num_chunks)``, builds metadata ``ssd_scan`` takes with its own
+    chunk_size (before: a required keyword ``chunk_size`` made it a TypeError), with the
+    results of ``chunk_metadata``'s; another chunk size is still refused."""
+    _, md = _metadata([20, 10, 5, 2], [0, 13, 16, 5], chunk_size=8, max_chunks=12)
+    by_hand = ChunkMetadata(md.cu_chunk_seqlens, md.seq_idx, md.last_chunk_indices, md.num_chunks)
+    assert by_hand.chunk_size is None
+    rng = np.random.default_rng(0)
+    T, H, P, N = 37, 2, 4, 8
+    x, dt = rng.normal(size=(T, H, P)), rng.normal(size=(T, H))
+    B, C = rng.normal(size=(T, 1, N)), rng.normal(size=(T, 1, N))
+    args = [jnp.asarray(a, jnp.float32) for a in (x, dt, -np.ones(H), B, C)]
+    y, states = pk.ssd_scan(*args, metadata=md, chunk_size=8, implementation=impl)
+    y2, states2 = pk.ssd_scan(*args, metadata=by_hand, chunk_size=8, implementation=impl)
+    np.testing.assert_array_equal(y2, y)
+    np.testing.assert_array_equal(states2, states)
+    with pytest.raises(ValueError, match="chunk_size"):
+        pk.ssd_scan(*args, metadata=md, chunk_size=4, implementation=impl)
 
 
 def test_padding_chunks_and_empty_sequences():

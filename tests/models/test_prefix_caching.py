@@ -214,6 +214,21 @@ def test_snapshots_are_refused_for_a_model_without_mamba_layers():
         Engine(attention_only, **SMALL, prefix_caching=True, num_prefix_snapshots=4)
 
 
+def test_an_attention_only_model_caches_chunk_sized_blocks_by_default():
+    """DESIGN §8: the block size defaults to the model's chunk size, so any shared prefix
+    of a chunk or more hits, for a model without Mamba layers too (before: 256-token
+    blocks there, and a 30-token repeat with chunk size 16 hit nothing)."""
+    attention_only = HybridLM(HybridConfig.tiny(layer_pattern="*-*"), rngs=nnx.Rngs(0))
+    cs = attention_only.cfg.mamba_chunk_size
+    cached = Engine(attention_only, **SMALL, prefix_caching=True)
+    assert cached.blocks.block_size == cs
+    prompts = random_prompts(np.random.default_rng(5), attention_only.cfg.vocab_size, (2 * cs - 2,))
+    first = cached.generate(prompts, 3)
+    hits = cached.stats["prefix_hit_tokens"]
+    assert cached.generate(prompts, 3) == first
+    assert cached.stats["prefix_hit_tokens"] - hits == cs
+
+
 def _snapshots_accounted(blocks: BlockManager) -> bool:
     """Every snapshot entry is free or a published block's, once."""
     return blocks.num_free_snapshots + blocks.num_cached_snapshots == blocks.num_snapshots
