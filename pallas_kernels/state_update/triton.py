@@ -421,9 +421,8 @@ def _backward_kernel(
         if dt_bias_ref is not None:
             u = u + dt_bias_ref[h]
         dtp = process_dt(u, None, dt_softplus=dt_softplus, dt_limit=dt_limit)
-        # d dt' / d u: the softplus' sigmoid, 0 where the clamp holds dt' at a limit.
+        # The clamp passes no gradient where it holds dt' at a limit (selected below).
         inside = (dtp > dt_limit[0]) & (dtp < dt_limit[1])
-        ddtp_du = jnp.where(inside, jax.nn.sigmoid(u) if dt_softplus else 1.0, 0.0)
         A = A_ref[h]
         exponent = dtp * A
         decay = decay_factor(exponent)
@@ -466,7 +465,9 @@ def _backward_kernel(
         d_decay = jnp.sum(dnew * old)
         dA_ref[r, h, pb] = d_decay * ddecay * dtp
         ddtp = jnp.sum(dx_B * B) + d_decay * ddecay * A
-        ddt_ref[r, h, pb] = ddtp * ddtp_du
+        if dt_softplus:
+            ddtp = ddtp * jax.nn.sigmoid(u)  # d softplus(u) / du
+        ddt_ref[r, h, pb] = jnp.where(inside, ddtp, 0.0)
 
     @pl.when(slot < 0)
     def _padding():

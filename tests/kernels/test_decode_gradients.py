@@ -250,30 +250,38 @@ def test_decode_backward_runs_its_own_kernels():
 
 def test_decode_backward_kernels_lower_for_cuda():
     """The backward kernels lower for CUDA at Bamba-9B's sizes (interpret mode does not
-    enforce Triton's rules): 128 heads of 64 × 128 fp32 states, a 8448-channel conv."""
+    enforce Triton's rules): 128 heads of 64 × 128 fp32 states, with softplus, D[H] and
+    the gate, and without softplus, with a two-sided clamp and D[H, P] (whose clamp mask
+    once multiplied a bool into a float: a lowering error only the GPU run showed); a
+    8448-channel conv."""
     R, S, H, P, N, G = 4, 8, 128, 64, 128, 1
-    cfg = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
-    update = functools.partial(
-        state_update_triton.selective_state_update,
-        dt_softplus=True,
-        dt_limit=(0.0, float("inf")),
-        config=cfg,
-    )
-
-    def ssu(cache, x, dt, A, B, C, slots, D, z, bias, dy, dcache):
-        f = functools.partial(update, slot_ids=slots)
-        _, vjp = jax.vjp(lambda *a: f(*a[:6], D=a[6], z=a[7], dt_bias=a[8]),
-                         cache, x, dt, A, B, C, D, z, bias)  # fmt: skip
-        return vjp((dy, dcache))
-
     f32 = jnp.float32
     cache = spec((S, H, P, N), f32)
-    text = lower_for_cuda(
-        ssu, cache, spec((R, H, P)), spec((R, H)), spec((H,), f32), spec((R, G, N)),
-        spec((R, G, N)), spec((R,), jnp.int32), spec((H,), f32), spec((R, H, P)),
-        spec((H,), f32), spec((R, H, P)), cache,
-    )  # fmt: skip
-    assert "selective_state_update_bwd" in text
+    cfg = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
+    for dt_softplus, dt_limit, D_shape, gated in (
+        (True, (0.0, float("inf")), (H,), True),
+        (False, (0.1, 0.9), (H, P), False),
+    ):
+        update = functools.partial(
+            state_update_triton.selective_state_update,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            config=cfg,
+        )
+
+        def ssu(cache, x, dt, A, B, C, slots, D, z, bias, dy, dcache, update=update):
+            f = functools.partial(update, slot_ids=slots)
+            _, vjp = jax.vjp(lambda *a: f(*a[:6], D=a[6], z=a[7], dt_bias=a[8]),
+                             cache, x, dt, A, B, C, D, z, bias)  # fmt: skip
+            return vjp((dy, dcache))
+
+        z = spec((R, H, P)) if gated else None
+        text = lower_for_cuda(
+            ssu, cache, spec((R, H, P)), spec((R, H)), spec((H,), f32), spec((R, G, N)),
+            spec((R, G, N)), spec((R,), jnp.int32), spec(D_shape, f32), z,
+            spec((H,), f32), spec((R, H, P)), cache,
+        )  # fmt: skip
+        assert "selective_state_update_bwd" in text
 
     dim, K = 8448, 4
     conv = functools.partial(
