@@ -64,7 +64,11 @@ def in_kernel_window(arrays: Sequence[jax.Array], devices: int) -> bool:
 
 
 def all_reduce(
-    x: Any, axis_name: str, *, implementation: Implementation | Sequence[str] = "auto"
+    x: Any,
+    axis_name: str,
+    *,
+    implementation: Implementation | Sequence[str] = "auto",
+    config: None = None,
 ) -> Any:
     """The sum of ``x`` over the mesh axis ``axis_name``, on every device of it: what
     ``lax.psum(x, axis_name)`` computes, inside ``jax.shard_map`` (or any context that
@@ -82,12 +86,15 @@ def all_reduce(
         the window where it was measured faster (``KERNEL_*``: two devices of one process,
         2-16 MiB) when the device runs it, else ``psum``. The kernel sums in device order
         in fp32, so every device gets the same bits; ``psum`` leaves the order to NCCL.
+      config: no backend of ``all_reduce`` takes block sizes; anything but None raises.
 
     Returns:
       ``x``'s structure, each array summed over the axis (``x`` itself when the axis has
       one device).
     """
     leaves, treedef = jax.tree.flatten(x)
+    if config is not None:
+        raise ValueError(f"config={config!r}: no backend of all_reduce takes block sizes")
     if not isinstance(axis_name, str):
         raise ValueError(f"axis_name={axis_name!r} must be a mesh axis name (a str)")
     try:

@@ -110,6 +110,10 @@ def test_bad_arguments():
         _over_axis(lambda v: pk.all_reduce(v, "dp"), x)
     with pytest.raises(ValueError, match="a sequence must name backends"):
         _over_axis(lambda v: pk.all_reduce(v, "tp", implementation=("nccl",)), x)
+    with pytest.raises(ValueError, match="no backend of all_reduce takes block sizes"):
+        _over_axis(lambda v: pk.all_reduce(v, "tp", config=object()), x)
+    np.testing.assert_array_equal(_over_axis(lambda v: pk.all_reduce(v, "tp", config=None), x),
+                                  np.broadcast_to(np.sum(x, 0), x.shape))  # fmt: skip
     with pytest.raises(ValueError, match=r"x\[1\] must be a floating-point array"):
         _over_axis(lambda v: pk.all_reduce((v, v.astype(jnp.int32)), "tp"), x)
     if not supports_mosaic():
