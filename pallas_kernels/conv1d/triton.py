@@ -19,7 +19,10 @@ as two arrays split at a channel (x and ``B | C``): each program writes one of t
 
 Decode (``causal_conv1d_update``): one program per (row, channel block) keeps the ``K−1``
 column window in registers, advances it over the row's ``L`` tokens and writes it back
-in place (the cache is aliased input → output).
+in place (the cache is aliased input → output). Its backward (``jax.custom_vjp``,
+:func:`update_backward`): the same programs rebuild the row's inputs (the slot's history
+from the step's input cache, kept as a residual, then the row's tokens), write dx and the
+history's cotangent in place over the new cache's, and per-row partial dweight and dbias.
 
 Prefill backward (``jax.custom_vjp`` of ``causal_conv1d``): the same (channel block,
 token block) programs walk their rows once more, one row per step, recomputing each
