@@ -981,7 +981,8 @@ def update_backward(
     cotangent is what its taps feed (``dpre_l w_k``) plus, for the last ``K-1``, the new
     state's. It writes dx whole and the history's cotangent in place over ``dcache`` (slots
     no row names keep theirs: the step copies them through); dweight and dbias are
-    per-row partial sums, summed in ``jnp``. Padding rows get 0. Returns ``(dx,
+    per-row partial sums, summed in ``jnp``. Padding rows get 0. Built under
+    :func:`pallas_dtypes` (a backward runs outside the op's dispatch). Returns ``(dx,
     dconv_state_cache, dweight, dbias)`` in their inputs' dtypes."""
     rows, steps, dim = x.shape
     width = weight.shape[1]
@@ -997,21 +998,22 @@ def update_backward(
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((rows, dim), f32))
     out_shape.append(jax.ShapeDtypeStruct(dcache.shape, dcache.dtype))
-    outs = pl.pallas_call(
-        functools.partial(
-            _update_backward_kernel,
-            has_bias=bias is not None,
-            width=width,
-            block_d=block_d,
-            activation=activation,
-        ),
-        grid=(rows, pl.cdiv(dim, block_d)),
-        out_shape=tuple(out_shape),
-        input_output_aliases={len(args) - 1: len(out_shape) - 1},
-        compiler_params=compiler_params(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=f"causal_conv1d_update_bwd_k{width}_bd{block_d}",
-    )(*args)
+    with pallas_dtypes():  # 32-bit indices whatever x64 says (the docstring)
+        outs = pl.pallas_call(
+            functools.partial(
+                _update_backward_kernel,
+                has_bias=bias is not None,
+                width=width,
+                block_d=block_d,
+                activation=activation,
+            ),
+            grid=(rows, pl.cdiv(dim, block_d)),
+            out_shape=tuple(out_shape),
+            input_output_aliases={len(args) - 1: len(out_shape) - 1},
+            compiler_params=compiler_params(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name=f"causal_conv1d_update_bwd_k{width}_bd{block_d}",
+        )(*args)
     dx, dw_parts = outs[:2]
     dbias = None if bias is None else jnp.sum(outs[2], axis=0).astype(bias.dtype)
     dweight = jnp.sum(dw_parts, axis=0).T.astype(weight.dtype)

@@ -11,8 +11,9 @@ five column slices XLA would otherwise copy into arrays of their own before the 
 Differentiated (``jax.custom_vjp``), the backward is the three ops' own Pallas backward
 kernels: the step recomposed from the public Triton ops on the sliced columns
 (:func:`_unfused`, each op a ``custom_vjp`` of its own) and pulled back through them. It
-recomputes the forward once; decode steps are rarely differentiated, and the fused
-forward stays as it is.
+recomputes the forward once, and its kernels update copies of both caches (the step's
+input caches are residuals): about three SSM caches' worth of memory at the peak. Decode
+steps are rarely differentiated, and the fused forward stays as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 
 import jax
 
+from pallas_kernels.backend import pallas_dtypes
 from pallas_kernels.conv1d import triton as conv
 from pallas_kernels.mamba_decode import reference
 from pallas_kernels.norm import triton as norm
@@ -127,8 +129,10 @@ def _differentiable(**options):
 
     def backward_rule(residuals, cotangents):
         *arrays, slot_ids = residuals
-        _, pullback = jax.vjp(lambda *a: _unfused(*a, slot_ids, **options), *arrays)
-        return (*pullback(cotangents), None)
+        # The ops' kernels are built here, outside the op's dispatch: 32-bit dtypes.
+        with pallas_dtypes():
+            _, pullback = jax.vjp(lambda *a: _unfused(*a, slot_ids, **options), *arrays)
+            return (*pullback(cotangents), None)
 
     step.defvjp(forward, backward_rule)
     return step

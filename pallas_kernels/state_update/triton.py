@@ -18,8 +18,8 @@ own before the kernel (a copy kernel each, about 1 µs at one row and 3.5 µs at
 
 Backward (``jax.custom_vjp`` of :func:`selective_state_update`, :func:`backward`): one
 program per (row, head, block of head-dim rows) recomputes its new state tile from the
-step's input cache (kept as a residual), writes the old state's cotangent in place over
-the new cache's and the per-program partial sums of the small inputs' gradients.
+step's input cache (kept as a residual). It writes the old state's cotangent in place over
+the new cache's, dx and dz whole, and partial sums of the other inputs' gradients.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import checked_slots, decay_factor, process_dt, silu, silu_grad
 from pallas_kernels._pallas import block_dim, compiler_params, masked_load, static_index
 from pallas_kernels._validation import check_int_fields
+from pallas_kernels.backend import pallas_dtypes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -421,13 +422,14 @@ def _backward_kernel(
         if dt_bias_ref is not None:
             u = u + dt_bias_ref[h]
         dtp = process_dt(u, None, dt_softplus=dt_softplus, dt_limit=dt_limit)
-        # The clamp passes no gradient where it holds dt' at a limit (selected below).
-        inside = (dtp > dt_limit[0]) & (dtp < dt_limit[1])
+        pre = jnp.logaddexp(u, 0.0) if dt_softplus else u  # dt' before the clamp
         A = A_ref[h]
         exponent = dtp * A
         decay = decay_factor(exponent)
         # d decay / d exponent: exp(exponent) below the clamp at 0, 0 above it.
-        ddecay = jnp.where(exponent < 0.0, decay, 0.0)
+        # (Half at 0 exactly: jax.grad of the xla path's jnp.minimum splits ties. Selects of
+        # two constants are avoided: Triton's lowering typed one as i1.)
+        ddecay = jnp.where(exponent < 0.0, decay, jnp.where(exponent == 0.0, 0.5 * decay, 0.0))
         x = load(x_ref.at[r, channels], p_live)
         B = load(B_ref.at[r, group_cols], n_live)
         C = load(C_ref.at[r, group_cols], n_live)
@@ -452,12 +454,14 @@ def _backward_kernel(
         dnew = load(cotangent_tile, tile) + dy[:, None] * C[None, :]
         plgpu.store(cotangent_tile, (decay * dnew).astype(dcache_ref.dtype), mask=tile)
         plgpu.store(
-            dC_ref.at[r, h, pb, pl.ds(0, bn)], jnp.sum(dy[:, None] * new, axis=0), mask=n_live
+            dC_ref.at[r, h, pb, pl.ds(static_index(0), bn)],
+            jnp.sum(dy[:, None] * new, axis=0),
+            mask=n_live,
         )
         dx = skip * dy + dtp * jnp.sum(dnew * B[None, :], axis=1)
         plgpu.store(dx_ref.at[r, h, pl.ds(p0, bp)], dx.astype(dx_ref.dtype), mask=p_live)
         dx_B = jnp.sum(dnew * x[:, None], axis=0)  # Σ_p dnew[p, :] x[p]
-        plgpu.store(dB_ref.at[r, h, pb, pl.ds(0, bn)], dtp * dx_B, mask=n_live)
+        plgpu.store(dB_ref.at[r, h, pb, pl.ds(static_index(0), bn)], dtp * dx_B, mask=n_live)
         if D_ref is not None and D_per_channel:
             plgpu.store(dD_ref.at[r, h, pl.ds(p0, bp)], dy * x, mask=p_live)
         elif D_ref is not None:
@@ -465,9 +469,15 @@ def _backward_kernel(
         d_decay = jnp.sum(dnew * old)
         dA_ref[r, h, pb] = d_decay * ddecay * dtp
         ddtp = jnp.sum(dx_B * B) + d_decay * ddecay * A
+        # The clamp passes the gradient where it is inactive, none where it holds dt' at a
+        # limit, half where the unclamped value is a limit exactly (jax.grad of the xla
+        # path's jnp.clip: max and min split ties).
+        lo, hi = dt_limit
+        ddtp = jnp.where(pre > lo, ddtp, jnp.where(pre == lo, 0.5 * ddtp, 0.0))
+        ddtp = jnp.where(pre < hi, ddtp, jnp.where(pre == hi, 0.5 * ddtp, 0.0))
         if dt_softplus:
             ddtp = ddtp * jax.nn.sigmoid(u)  # d softplus(u) / du
-        ddt_ref[r, h, pb] = jnp.where(inside, ddtp, 0.0)
+        ddt_ref[r, h, pb] = ddtp
 
     @pl.when(slot < 0)
     def _padding():
@@ -476,8 +486,8 @@ def _backward_kernel(
         if dz_ref is not None:
             plgpu.store(dz_ref.at[r, h, pl.ds(p0, bp)], zeros_p.astype(dz_ref.dtype), mask=p_live)
         zeros_n = jnp.zeros((bn,), f32)
-        plgpu.store(dB_ref.at[r, h, pb, pl.ds(0, bn)], zeros_n, mask=n_live)
-        plgpu.store(dC_ref.at[r, h, pb, pl.ds(0, bn)], zeros_n, mask=n_live)
+        plgpu.store(dB_ref.at[r, h, pb, pl.ds(static_index(0), bn)], zeros_n, mask=n_live)
+        plgpu.store(dC_ref.at[r, h, pb, pl.ds(static_index(0), bn)], zeros_n, mask=n_live)
         if D_ref is not None and D_per_channel:
             plgpu.store(dD_ref.at[r, h, pl.ds(p0, bp)], zeros_p, mask=p_live)
         elif D_ref is not None:
@@ -509,11 +519,14 @@ def backward(
 
     One program per (row, head, block of head-dim rows) recomputes its new state tile from
     the old one, forms the new state's cotangent ``dnew = dcache[s] + dy' ⊗ C`` (``dy'``
-    the gated ``dy``), writes the old state's, ``exp(dt' A) dnew``, in place over
+    the gated ``dy``), writes the old state's, ``exp(min(dt' A, 0)) dnew``, in place over
     ``dcache`` (slots no row names keep their cotangent: the step copies them through),
-    and dx and dz whole; dt's, A's, D's, B's and C's per-program partial sums (over the
-    block's rows, and its state columns for the scalars) are summed over blocks, heads of
-    a group and rows in ``jnp``. Padding rows get 0 everywhere. Returns ``(dstate_cache,
+    and dx and dz whole; dt's, A's, B's and C's per-program partial sums (over the block's
+    rows, and its state columns for the scalars) and D's (per program for ``D[H]``, per
+    row for ``D[H, P]``) are summed over blocks, heads of a group and rows in ``jnp``.
+    Padding rows get 0 everywhere. Built under :func:`pallas_dtypes` (a backward runs
+    outside the op's dispatch, where x64 would widen the kernel's indices). Returns
+    ``(dstate_cache,
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias)``, each in its input's dtype (None for absent
     inputs)."""
     rows, H, P = x.shape
@@ -553,27 +566,28 @@ def backward(
         )
     out_shape += [jax.ShapeDtypeStruct((rows, H, num_pb, N), f32)] * 2  # dB, dC
     out_shape.append(jax.ShapeDtypeStruct(dcache.shape, dcache.dtype))
-    outs = pl.pallas_call(
-        functools.partial(
-            _backward_kernel,
-            has_D=D is not None,
-            D_per_channel=D_per_channel,
-            has_z=z is not None,
-            has_dt_bias=dt_bias is not None,
-            heads_per_group=H // G,
-            head_dim=P,
-            state_dim=N,
-            dt_softplus=dt_softplus,
-            dt_limit=dt_limit,
-            block_p=block_p,
-        ),
-        grid=(rows, H, num_pb),
-        out_shape=tuple(out_shape),
-        input_output_aliases={len(args) - 1: len(out_shape) - 1},
-        compiler_params=compiler_params(num_warps=8, num_stages=1),
-        interpret=interpret,
-        name=f"selective_state_update_bwd_bp{block_p}",
-    )(*args)
+    with pallas_dtypes():  # 32-bit indices whatever x64 says (the docstring)
+        outs = pl.pallas_call(
+            functools.partial(
+                _backward_kernel,
+                has_D=D is not None,
+                D_per_channel=D_per_channel,
+                has_z=z is not None,
+                has_dt_bias=dt_bias is not None,
+                heads_per_group=H // G,
+                head_dim=P,
+                state_dim=N,
+                dt_softplus=dt_softplus,
+                dt_limit=dt_limit,
+                block_p=block_p,
+            ),
+            grid=(rows, H, num_pb),
+            out_shape=tuple(out_shape),
+            input_output_aliases={len(args) - 1: len(out_shape) - 1},
+            compiler_params=compiler_params(num_warps=8, num_stages=1),
+            interpret=interpret,
+            name=f"selective_state_update_bwd_bp{block_p}",
+        )(*args)
     outs = list(outs)
     dx = outs.pop(0)
     dz = outs.pop(0) if z is not None else None

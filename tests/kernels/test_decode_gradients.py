@@ -52,17 +52,21 @@ def _check(grads, names, primals, oracle, cotangent, xla_grads):
 
 # ------------------------------------------------------------------- selective_state_update
 
-SSU_H, SSU_P, SSU_N, SSU_G = 4, 6, 12, 2
-# (D's shape or None, gated, dt_softplus, dt_limit): a head-wise D with the z gate and
-# softplus; a per-channel D, no gate, a clamp both sides (some dt' held at a limit).
+# P and N not powers of two: masked tiles; P = 40 is three 16-row blocks of the backward
+# (its 130 state columns pad to 256), so the sums over blocks are exercised.
+SSU_H, SSU_P, SSU_N, SSU_G = 4, 40, 130, 2
+# (D's shape or None, gated, dt_softplus, dt_limit, dt_bias): a head-wise D with the z gate
+# and softplus; a per-channel D, no gate, a clamp both sides (some dt' held at a limit); no
+# D and no dt_bias.
 SSU_CASES = {
-    "D_head_gated": ((SSU_H,), True, True, (0.0, float("inf"))),
-    "D_channel_clamped": ((SSU_H, SSU_P), False, False, (0.1, 0.9)),
+    "D_head_gated": ((SSU_H,), True, True, (0.0, float("inf")), True),
+    "D_channel_clamped": ((SSU_H, SSU_P), False, False, (0.1, 0.9), True),
+    "bare": (None, False, True, (0.0, float("inf")), False),
 }
 
 
 def _ssu_inputs(case: str, seed: int = 0):
-    D_shape, gated, _, _ = SSU_CASES[case]
+    D_shape, gated, _, _, has_bias = SSU_CASES[case]
     rng = np.random.default_rng(seed)
     R = len(SLOTS)
     primals = dict(
@@ -72,9 +76,11 @@ def _ssu_inputs(case: str, seed: int = 0):
         A=-jnp.asarray(np.exp(rng.normal(size=SSU_H)), jnp.float32),
         B=normal(rng, (R, SSU_G, SSU_N)),
         C=normal(rng, (R, SSU_G, SSU_N)),
-        D=normal(rng, D_shape),
-        dt_bias=normal(rng, (SSU_H,), scale=0.5),
     )
+    if D_shape is not None:
+        primals["D"] = normal(rng, D_shape)
+    if has_bias:
+        primals["dt_bias"] = normal(rng, (SSU_H,), scale=0.5)
     if gated:
         primals["z"] = normal(rng, (R, SSU_H, SSU_P))
     cotangent = (normal(rng, (R, SSU_H, SSU_P)), normal(rng, primals["state_cache"].shape))
@@ -82,16 +88,16 @@ def _ssu_inputs(case: str, seed: int = 0):
 
 
 def _ssu_call(case: str, impl: str, names):
-    _, _, dt_softplus, dt_limit = SSU_CASES[case]
+    _, _, dt_softplus, dt_limit, _ = SSU_CASES[case]
 
     def f(*values):
         a = dict(zip(names, values, strict=True))
         return state_update_api.selective_state_update(
             *(a[k] for k in ("state_cache", "x", "dt", "A", "B", "C")),
             slot_ids=SLOTS,
-            D=a["D"],
+            D=a.get("D"),
             z=a.get("z"),
-            dt_bias=a["dt_bias"],
+            dt_bias=a.get("dt_bias"),
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
             implementation=impl,
@@ -118,16 +124,16 @@ def test_selective_state_update_gradients(impl, case):
             np.testing.assert_array_equal(as_f32(g[name])[1], 0.0, err_msg=name)
     dcache = as_f32(cotangent[1])
     np.testing.assert_array_equal(as_f32(g["state_cache"])[UNNAMED], dcache[UNNAMED])
-    _, _, dt_softplus, dt_limit = SSU_CASES[case]
+    _, _, dt_softplus, dt_limit, _ = SSU_CASES[case]
 
     def oracle(*values):
         a = dict(zip(names, values, strict=True))
         return selective_state_update_oracle(
             *(a[k] for k in ("state_cache", "x", "dt", "A", "B", "C")),
             slot_ids=SLOTS,
-            D=a["D"],
+            D=a.get("D"),
             z=a.get("z"),
-            dt_bias=a["dt_bias"],
+            dt_bias=a.get("dt_bias"),
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
         )
@@ -138,48 +144,115 @@ def test_selective_state_update_gradients(impl, case):
     _check(grads, names, values, oracle, tuple(as_f32(c) for c in cotangent), xla)
 
 
+def test_selective_state_update_clamp_ties_split_as_xla():
+    """dt' exactly at a clamp limit and dt' A exactly 0 (A = 0): the Triton backward
+    splits the gradient in half there, as jax.grad of the xla path's jnp.clip and
+    jnp.minimum do (before: 0 at both limits, and the full decay derivative at 0)."""
+    R, H, P, N = 3, 4, 8, 16
+    rng = np.random.default_rng(11)
+    cache = normal(rng, (NUM_SLOTS, H, P, N))
+    x, B, C = normal(rng, (R, H, P)), normal(rng, (R, 1, N)), normal(rng, (R, 1, N))
+    # Below, at the lower limit, inside, at the upper limit, above; one head has A = 0.
+    dt = jnp.asarray([[-1.0, 0.0, 0.25, 0.5], [0.5, 1.0, 0.0, 0.3], [0.2, 0.2, 0.2, 0.2]])
+    A = jnp.asarray([-1.0, -0.5, 0.0, -2.0])
+    cotangent = (normal(rng, (R, H, P)), normal(rng, cache.shape))
+
+    def grads(impl):
+        def f(cache, x, dt, A, B, C):
+            return state_update_api.selective_state_update(
+                cache, x, dt, A, B, C, slot_ids=SLOTS, dt_limit=(0.0, 0.5), implementation=impl
+            )
+
+        return jax.vjp(f, cache, x, dt, A, B, C)[1](cotangent)
+
+    names = ("dcache", "dx", "ddt", "dA", "dB", "dC")
+    for name, g, ref in zip(names, grads("triton"), grads("xla"), strict=True):
+        assert_close(as_f32(g), as_f32(ref), rtol=XLA_TOL, name=name)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype", [jnp.float32, jnp.bfloat16], ids=["f32_cache", "bf16_cache"]
+)
+def test_decode_gradients_in_bf16(cache_dtype):
+    """bf16 inputs (and a bf16 or fp32 cache): every gradient comes back in its input's
+    dtype, close to the xla path's (the backward computes in fp32 from the same bf16
+    values)."""
+    rng = np.random.default_rng(12)
+    R, H, P, N = 3, 4, 8, 16
+    bf16 = jnp.bfloat16
+    cache = normal(rng, (NUM_SLOTS, H, P, N), cache_dtype)
+    x, z = normal(rng, (R, H, P), bf16), normal(rng, (R, H, P), bf16)
+    dt, A = normal(rng, (R, H), bf16), -jnp.asarray(np.exp(rng.normal(size=H)), jnp.float32)
+    B, C = normal(rng, (R, 1, N), bf16), normal(rng, (R, 1, N), bf16)
+    cotangent = (normal(rng, (R, H, P), bf16), normal(rng, cache.shape, cache_dtype))
+
+    def grads(impl):
+        def f(cache, x, dt, A, B, C, z):
+            return state_update_api.selective_state_update(
+                cache, x, dt, A, B, C, slot_ids=SLOTS, z=z, dt_softplus=True, implementation=impl
+            )
+
+        return jax.vjp(f, cache, x, dt, A, B, C, z)[1](cotangent)
+
+    primals = (cache, x, dt, A, B, C, z)
+    for i, (g, ref) in enumerate(zip(grads("triton"), grads("xla"), strict=True)):
+        assert g.dtype == primals[i].dtype, i
+        assert_close(as_f32(g), as_f32(ref), rtol=2e-2, name=f"input {i}")
+
+
 # --------------------------------------------------------------------- causal_conv1d_update
 
 CONV_DIM, CONV_K = 10, 4
 
 
-@pytest.mark.parametrize("steps", [None, 2, 5], ids=["one_token", "L2", "L5"])
+# (steps, activation, bias): one token (x[Bd, dim]), L = 2 < K - 1 (the new state keeps old
+# columns) with SiLU and a bias, L = 5 > K - 1 linear without one.
+CONV_CASES = {
+    "one_token": (None, "silu", True),
+    "L2": (2, "silu", True),
+    "L5_linear": (5, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
 @pytest.mark.parametrize("impl", implementations(conv_api.CAUSAL_CONV1D_UPDATE))
-def test_causal_conv1d_update_gradients(impl, steps):
+def test_causal_conv1d_update_gradients(impl, case):
     """dx, the conv state cache's, dweight and dbias for one token per row (``x[Bd, dim]``)
     and ``L`` tokens, fewer and more than the ``K - 1`` history columns (fewer: the new
-    state keeps some old columns), against finite differences of the float64 oracle and
-    the xla path's; padding rows get 0, slots no row names pass their cotangent through."""
+    state keeps some old columns), with and without SiLU and a bias, against finite
+    differences of the float64 oracle and the xla path's; padding rows get 0, slots no row
+    names pass their cotangent through."""
+    steps, activation, has_bias = CONV_CASES[case]
     rng = np.random.default_rng(3)
     R = len(SLOTS)
     x_shape = (R, CONV_DIM) if steps is None else (R, steps, CONV_DIM)
     x = normal(rng, x_shape)
     cache = normal(rng, (NUM_SLOTS, CONV_K - 1, CONV_DIM))
     weight = normal(rng, (CONV_DIM, CONV_K), scale=0.5)
-    bias = normal(rng, (CONV_DIM,), scale=0.5)
+    primals = (x, cache, weight) + ((normal(rng, (CONV_DIM,), scale=0.5),) if has_bias else ())
     cotangent = (normal(rng, x_shape), normal(rng, cache.shape))
 
     def call(impl):
-        def f(x, cache, weight, bias):
+        def f(x, cache, weight, bias=None):
             return conv_api.causal_conv1d_update(
-                x, cache, weight, bias, slot_ids=SLOTS, activation="silu", implementation=impl
+                x, cache, weight, bias, slot_ids=SLOTS, activation=activation, implementation=impl
             )
 
-        return jax.vjp(f, x, cache, weight, bias)[1](cotangent)
+        return jax.vjp(f, *primals)[1](cotangent)
 
     grads = call(impl)
     np.testing.assert_array_equal(as_f32(grads[0])[1], 0.0)
     np.testing.assert_array_equal(as_f32(grads[1])[UNNAMED], as_f32(cotangent[1])[UNNAMED])
 
-    def oracle(x, cache, weight, bias):
+    def oracle(x, cache, weight, bias=None):
         return causal_conv1d_update_oracle(
-            x, cache, weight, bias, slot_ids=SLOTS, activation="silu"
+            x, cache, weight, bias, slot_ids=SLOTS, activation=activation
         )
 
     xla = call("xla") if impl != "xla" else None
-    names = ("dx", "dcache", "dweight", "dbias")
+    names = ("dx", "dcache", "dweight", "dbias")[: len(primals)]
     cotangent32 = tuple(as_f32(c) for c in cotangent)
-    _check(grads, names, (x, cache, weight, bias), oracle, cotangent32, xla)
+    _check(grads, names, primals, oracle, cotangent32, xla)
 
 
 # ---------------------------------------------------------------------------- mamba2_decode

@@ -556,9 +556,44 @@ def _all_ops(impls: dict[str, list[str]]) -> dict[str, list[np.ndarray]]:
     return results
 
 
+def _decode_gradients(impls) -> dict[str, tuple]:
+    """``name -> gradients`` of each decode op's loss under ``jax.jit(jax.grad)``: the
+    Pallas backward kernels are built at transpose time, outside the ops' dispatch."""
+    rng = np.random.default_rng(7)
+    H, P, N, R, S, dim, K = 2, 4, 4, 2, 3, 8, 4
+    A = -jnp.exp(_normal(rng, H))
+    slots = np.array([2, -1])
+    ssu_args = (_normal(rng, S, H, P, N), _normal(rng, R, H, P), _normal(rng, R, H),
+                _normal(rng, R, 1, N), _normal(rng, R, 1, N))  # fmt: skip
+    conv_args = (_normal(rng, R, dim), _normal(rng, S, K - 1, dim), _normal(rng, dim, K))
+    grads = {}
+    for impl in impls["selective_state_update"]:
+
+        def ssu_loss(cache, x, dt, B, C, impl=impl):
+            y, new = pk.selective_state_update(
+                cache, x, dt, A, B, C, slot_ids=slots, dt_softplus=True, implementation=impl
+            )
+            return jnp.sum(y * y) + jnp.sum(new * new)
+
+        grads[f"grad selective_state_update[{impl}]"] = jax.jit(
+            jax.grad(ssu_loss, argnums=tuple(range(5)))
+        )(*ssu_args)
+    for impl in impls["causal_conv1d_update"]:
+
+        def conv_loss(x, cache, weight, impl=impl):
+            y, new = pk.causal_conv1d_update(x, cache, weight, slot_ids=slots, implementation=impl)
+            return jnp.sum(y * y) + jnp.sum(new * new)
+
+        grads[f"grad causal_conv1d_update[{impl}]"] = jax.jit(
+            jax.grad(conv_loss, argnums=(0, 1, 2))
+        )(*conv_args)
+    return {name: tuple(np.asarray(g) for g in gs) for name, gs in grads.items()}
+
+
 def x64_check() -> list[str]:
-    """Runs every op without and then with ``jax_enable_x64`` in this process (meant for a
-    subprocess: the flag is global) and returns what differs: dtypes, shapes, values. Also
+    """Runs every op, and the decode ops' gradients, without and then with
+    ``jax_enable_x64`` in this process (meant for a subprocess: the flag is global) and
+    returns what differs: dtypes, shapes, values. Also
     checks that float64 inputs, possible only under x64, are refused by the Pallas
     backends (they take 16- and 32-bit floats) and served by ``xla``."""
     impls = {
@@ -572,11 +607,11 @@ def x64_check() -> list[str]:
         "rms_norm": RMS_NORM_IMPLS,
     }
     jax.config.update("jax_enable_x64", False)
-    expected = _all_ops(impls)
+    expected = _all_ops(impls) | _decode_gradients(impls)
     jax.config.update("jax_enable_x64", True)
     problems = []
     try:
-        actual = _all_ops(impls)
+        actual = _all_ops(impls) | _decode_gradients(impls)
     except Exception as e:  # report, do not crash: the parent prints the list
         return [f"under x64: {type(e).__name__}: {e}"]
     for name, want in expected.items():
