@@ -56,7 +56,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import LOG2E, checked_slots, slot_scatter_index
-from pallas_kernels._pallas import block_dim, compiler_params, for_each_tail_block, static_index
+from pallas_kernels._pallas import (
+    block_dim,
+    compiler_params,
+    for_each_tail_block,
+    masked_load,
+    static_index,
+)
 from pallas_kernels._validation import check_int_fields
 from pallas_kernels.backend import pallas_dtypes
 from pallas_kernels.metadata import sequence_block_table
@@ -908,7 +914,7 @@ def _update_backward_kernel(
     f32 = jnp.float32
 
     def load(ref):
-        return plgpu.load(ref, mask=d_live, other=0.0).astype(f32)
+        return masked_load(ref, d_live).astype(f32)
 
     @pl.when(slot >= 0)
     def _live():

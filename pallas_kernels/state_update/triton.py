@@ -414,15 +414,15 @@ def _backward_kernel(
     group_cols = pl.ds(g * N, bn)
 
     def load(ref, mask):
-        return plgpu.load(ref, mask=mask, other=0.0).astype(f32)
+        return masked_load(ref, mask).astype(f32)
 
     @pl.when(slot >= 0)
     def _live():
         u = dt_ref[r, h].astype(f32)
         if dt_bias_ref is not None:
             u = u + dt_bias_ref[h]
-        dtp = process_dt(u, None, dt_softplus=dt_softplus, dt_limit=dt_limit)
         pre = jnp.logaddexp(u, 0.0) if dt_softplus else u  # dt' before the clamp
+        dtp = process_dt(pre, None, dt_softplus=False, dt_limit=dt_limit)
         A = A_ref[h]
         exponent = dtp * A
         decay = decay_factor(exponent)
@@ -526,9 +526,8 @@ def backward(
     row for ``D[H, P]``) are summed over blocks, heads of a group and rows in ``jnp``.
     Padding rows get 0 everywhere. Built under :func:`pallas_dtypes` (a backward runs
     outside the op's dispatch, where x64 would widen the kernel's indices). Returns
-    ``(dstate_cache,
-    dx, ddt, dA, dB, dC, dD, dz, ddt_bias)``, each in its input's dtype (None for absent
-    inputs)."""
+    ``(dstate_cache, dx, ddt, dA, dB, dC, dD, dz, ddt_bias)``, each in its input's dtype
+    (None for absent inputs)."""
     rows, H, P = x.shape
     G, N = B.shape[1:]
     f32 = jnp.float32
