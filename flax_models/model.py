@@ -29,7 +29,7 @@ from flax_models.batch import ForwardBatch, make_forward_batch
 from flax_models.cache import LayerCache, init_cache
 from flax_models.config import HybridConfig
 from flax_models.layers import MLP, Attention, Mamba2Mixer, ParallelHybridMixer, RMSNorm
-from flax_models.layers.linear import linear_kwargs
+from flax_models.layers.linear import Linear, linear_kwargs, matmul
 from flax_models.layers.moe import MoE
 from flax_models.sharding import check_tp, state_shardings, tp_layout, tp_size, with_tp_axis
 from pallas_kernels.backend import IMPLEMENTATIONS, backend_names
@@ -207,9 +207,9 @@ class HybridLM(nnx.Module):
             implementation=implementation,
         )
 
-    def _head(self, rngs: nnx.Rngs) -> nnx.Linear:
+    def _head(self, rngs: nnx.Rngs) -> Linear:
         cfg = self.cfg
-        return nnx.Linear(
+        return Linear(
             cfg.hidden_size,
             cfg.vocab_size,
             **linear_kwargs(use_bias=False, dtype=self.dtype, rngs=rngs),
@@ -262,7 +262,7 @@ class HybridLM(nnx.Module):
             h, _ = self.final_norm(rows(update), rows(h))
         if self.lm_head is None:  # tied: the embedding table is the head
             table = self.embed.embedding[...]
-            logits = jnp.dot(h, table.T, precision=pk.matmul_precision(table.dtype))
+            logits = matmul(h, table.T, precision=pk.matmul_precision(table.dtype))
         else:
             logits = self.lm_head(h)
         return logits.astype(jnp.float32) / self.cfg.logits_scaling, tuple(new_caches)

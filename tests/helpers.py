@@ -231,16 +231,26 @@ def pallas_call_names(jaxpr) -> set[str]:
     return set(pallas_call_counts(jaxpr))
 
 
-def pallas_call_counts(jaxpr) -> collections.Counter:
-    """How many pallas_calls of each name ``jaxpr`` and its sub-jaxprs hold."""
-    counts = collections.Counter()
+def equations(jaxpr, primitive: str) -> list:
+    """Every equation of ``primitive`` in ``jaxpr`` and its sub-jaxprs (pallas_call kernel
+    bodies excluded)."""
+    found = []
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            found.append(eqn)
         if eqn.primitive.name == "pallas_call":
-            counts[str(eqn.params.get("name_and_src_info", eqn.params.get("name")))] += 1
             continue
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    counts += pallas_call_counts(inner)
-    return counts
+                    found += equations(inner, primitive)
+    return found
+
+
+def pallas_call_counts(jaxpr) -> collections.Counter:
+    """How many pallas_calls of each name ``jaxpr`` and its sub-jaxprs hold."""
+    return collections.Counter(
+        str(eqn.params.get("name_and_src_info", eqn.params.get("name")))
+        for eqn in equations(jaxpr, "pallas_call")
+    )

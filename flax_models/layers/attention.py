@@ -13,7 +13,7 @@ import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import AttentionCache
 from flax_models.config import HybridConfig
-from flax_models.layers.linear import linear_kwargs, scaled
+from flax_models.layers.linear import Linear, linear_kwargs, matmul, scaled
 from flax_models.sharding import ATTENTION_CACHE_SPEC as CACHE_SPEC
 from flax_models.sharding import psum_tp, shard_call
 
@@ -57,10 +57,10 @@ class Attention(nnx.Module):
         self.mesh = mesh
         linear = linear_kwargs(use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         D = cfg.head_dim
-        self.q_proj = nnx.Linear(cfg.hidden_size, cfg.num_heads * D, **linear)
-        self.k_proj = nnx.Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)
-        self.v_proj = nnx.Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)
-        self.o_proj = nnx.Linear(cfg.num_heads * D, cfg.hidden_size, **linear)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * D, **linear)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * D, **linear)
+        self.o_proj = Linear(cfg.num_heads * D, cfg.hidden_size, **linear)
 
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, cache: AttentionCache
@@ -73,7 +73,7 @@ class Attention(nnx.Module):
         def body(local, h, batch, cache):
             out, cache = local._attend(h, batch, cache)
             kernel = local.o_proj.kernel[...]
-            part = jnp.dot(out.astype(kernel.dtype), kernel, precision=local.o_proj.precision)
+            part = matmul(out, kernel, precision=local.o_proj.precision)
             return psum_tp(part, local.implementation, self.mesh), cache
 
         out, cache = shard_call(

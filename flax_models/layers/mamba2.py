@@ -15,7 +15,7 @@ import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.cache import MambaCache
 from flax_models.config import HybridConfig
-from flax_models.layers.linear import linear_kwargs, scaled
+from flax_models.layers.linear import Linear, linear_kwargs, matmul, scaled
 from flax_models.sharding import TP, mamba_cache_spec, psum_tp, shard_call, tp_size
 from pallas_kernels._common import silu
 from pallas_kernels.ssd.api import gather_states, live_rows, scatter_states, write_final_states
@@ -48,7 +48,7 @@ class Mamba2Mixer(nnx.Module):
         self.norm_devices = 1
         H, K = cfg.mamba_num_heads, cfg.mamba_conv_kernel
         linear = linear_kwargs(use_bias=cfg.mamba_proj_bias, dtype=dtype, rngs=rngs)
-        self.in_proj = nnx.Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear)
+        self.in_proj = Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear)
         self.conv_weight = nnx.Param(
             jax.random.normal(rngs.params(), (cfg.mamba_conv_dim, K), dtype) * K**-0.5
         )
@@ -61,7 +61,7 @@ class Mamba2Mixer(nnx.Module):
         self.norm_weight = (
             nnx.Param(jnp.ones((cfg.mamba_d_inner,), dtype)) if cfg.mamba_rms_norm else None
         )
-        self.out_proj = nnx.Linear(
+        self.out_proj = Linear(
             cfg.mamba_d_inner,
             cfg.hidden_size,
             **linear_kwargs(use_bias=cfg.mamba_out_bias, dtype=dtype, rngs=rngs),
@@ -97,14 +97,12 @@ class Mamba2Mixer(nnx.Module):
                 else:
                     y, z, cache = local._ssm(h, batch, cache)
                     terms, squares = local._norm_terms(y, z)
-                part = jnp.dot(
-                    terms.astype(kernel.dtype), kernel, precision=local.out_proj.precision
-                )
+                part = matmul(terms, kernel, precision=local.out_proj.precision)
                 part, squares = psum_tp((part, squares), local.implementation, self.mesh)
                 inv_rms = local._inv_rms(squares, terms.shape[-1] * tp)
                 return (part.astype(jnp.float32) * inv_rms[:, None]).astype(part.dtype), cache
             y, cache = local._mix(h, batch, cache)
-            part = jnp.dot(y.astype(kernel.dtype), kernel, precision=local.out_proj.precision)
+            part = matmul(y, kernel, precision=local.out_proj.precision)
             return psum_tp(part, local.implementation, self.mesh), cache
 
         spec = mamba_cache_spec(cache)

@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from flax_models.config import HybridConfig
-from flax_models.layers.linear import linear_kwargs, scaled
+from flax_models.layers.linear import Einsum, Linear, linear_kwargs, matmul, scaled
 from flax_models.sharding import psum_tp, shard_call, tp_size
 
 
@@ -48,7 +48,7 @@ class MLP(nnx.Module):
         linear = linear_kwargs(use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         width = cfg.intermediate_size
         if self.activation == "silu":
-            self.gate_up = nnx.Einsum(
+            self.gate_up = Einsum(
                 "...d,dgf->...gf",
                 (cfg.hidden_size, 2, width),
                 (2, width) if cfg.mlp_bias else None,
@@ -56,8 +56,8 @@ class MLP(nnx.Module):
                 **{k: v for k, v in linear.items() if k != "use_bias"},
             )
         else:
-            self.up = nnx.Linear(cfg.hidden_size, width, **linear)
-        self.down = nnx.Linear(width, cfg.hidden_size, **linear)
+            self.up = Linear(cfg.hidden_size, width, **linear)
+        self.down = Linear(width, cfg.hidden_size, **linear)
 
     def __call__(self, x: jax.Array, *, groups: int = 1) -> jax.Array:  # x[T, D]
         """``groups > 1``: x holds a grouped batch's tokens (``ForwardBatch.groups``), whose
@@ -67,8 +67,7 @@ class MLP(nnx.Module):
 
         def body(local, x):
             kernel = local.down.kernel[...]
-            hidden = local._hidden(x).astype(kernel.dtype)
-            part = jnp.dot(hidden, kernel, precision=local.down.precision)
+            part = matmul(local._hidden(x), kernel, precision=local.down.precision)
             return psum_tp(part, local.implementation, self.mesh)
 
         out = shard_call(self, body, (x,), (P(),), P(), groups=groups)

@@ -553,22 +553,25 @@ def test_paged_triton_kernels_lower_for_cuda(T, B):
         assert "attention_bwd_dq" in text and "attention_bwd_dkv" in text
 
 
+def _bamba_blocks(num_tokens, cache_len, page_size, dtype=jnp.bfloat16, num_sms=None):
+    """The Triton attention's default tiles for Bamba-9B's heads (32 / 8, D = 128)."""
+    return attention_triton.default_block_sizes(
+        num_tokens=num_tokens,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        cache_len=cache_len,
+        dtype=dtype,
+        page_size=page_size,
+        num_sms=num_sms,
+    )
+
+
 def test_paged_long_context_prefill_takes_wider_kv_steps():
     """Paged prefill behind a long cached context (chunked prefill: cache_len >= 4 T) steps
     over 128 keys, three stages deep; calls shaped like self-attention, contiguous caches,
     pages of 64 keys and fp32 keep 64-key steps (or fewer), and the dQ kernel keeps 64."""
-
-    def blocks(num_tokens, cache_len, page_size, dtype=jnp.bfloat16):
-        return attention_triton.default_block_sizes(
-            num_tokens=num_tokens,
-            num_q_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            cache_len=cache_len,
-            dtype=dtype,
-            page_size=page_size,
-        )
-
+    blocks = _bamba_blocks
     chunked = blocks(4096, 32768, 256)
     assert (chunked.block_k, chunked.num_stages) == (128, 3)
     backward = attention_triton.default_backward_block_sizes(
@@ -583,6 +586,15 @@ def test_paged_long_context_prefill_takes_wider_kv_steps():
     ):
         assert (other.block_k, other.num_stages) == (64, 3)
     assert blocks(4096, 32768, 256, jnp.float32).block_k == 32
+
+
+def test_decode_splits_give_one_program_per_sm():
+    """Flash-decoding splits the keys into as few splits as still give every SM a program:
+    one row of Bamba-9B's attention (8 KV heads, 4k keys in pages of 256) on 132 SMs takes
+    256 keys a split (136 programs; the combine merges a token's splits in sequence), 64
+    rows and a 32k context keep 1024."""
+    for rows, cache_len, split_k in ((1, 4352, 256), (64, 4352, 1024), (1, 32768, 1024)):
+        assert _bamba_blocks(rows, cache_len, 256, num_sms=132).split_k == split_k
 
 
 @pytest.mark.gpu

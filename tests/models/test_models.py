@@ -23,12 +23,13 @@ from flax_models.batch import make_forward_batch
 from flax_models.cache import init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
+from flax_models.layers import linear
 from flax_models.layers import norm as norm_layer
 from flax_models.layers.mlp import MLP
 from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM, layer_implementation
 from pallas_kernels.testing import assert_close
-from tests.helpers import pallas_call_counts
+from tests.helpers import equations, pallas_call_counts
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").exists())
@@ -318,6 +319,41 @@ def test_a_preference_takes_the_norm_kernel_up_to_its_row_limit():
     x = jnp.ones((limit + 1, 16))
     with pytest.raises(ValueError, match="'mosaic' is not available for rms_norm"):
         norm_layer.RMSNorm(16, eps=1e-5, implementation="mosaic")(x, x)
+
+
+def test_one_row_products_stay_gemms():
+    """XLA's GPU simplifier turns a vector-matrix product of under 10M elements into a
+    multiply and a reduction that materialise x · W (bf16 products, 4-8x the weight's
+    bytes); a one-row step's projections therefore take two rows (the second zero) and keep
+    the first: a one-token forward holds no one-row product, its logits are the same as
+    one token among several, and a weight past the threshold is left alone (no pad)."""
+    cfg = HybridConfig.tiny(layer_pattern="M*-")  # Mamba, attention, MLP; tied head
+    model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(3), (1, 3), 0, cfg.vocab_size)
+    jaxpr = jax.make_jaxpr(model._dense)(ids[:, :1]).jaxpr
+    weights = {p.shape for p in jax.tree.leaves(nnx.state(model, nnx.Param)) if p.ndim > 1}
+    weights |= {shape[::-1] for shape in weights}  # the tied head reads the table transposed
+    lhs_rows = [
+        eqn.invars[0].aval.shape[:-1]
+        for eqn in equations(jaxpr, "dot_general")
+        if eqn.invars[1].aval.shape in weights
+    ]
+    assert len(lhs_rows) >= 6 and all(math.prod(rows) == 2 for rows in lhs_rows), lhs_rows
+    assert_close(
+        jax.jit(model._dense)(ids[:, :1])[0, 0],
+        jax.jit(model._dense)(ids)[0, 0],
+        rtol=1e-5,
+        name="one token against the first of three",
+    )
+    x = jax.random.normal(jax.random.key(4), (1, 1, 8))
+    w = jax.random.normal(jax.random.key(5), (8, 3))
+    product = lambda rows: rows @ w  # noqa: E731
+    assert_close(linear.as_gemm(product, x, w.size), x @ w, rtol=1e-6, name="padded row")
+    big = linear.STRENGTH_REDUCED_ELEMENTS
+    for size, rows in ((w.size, 2), (big, 1)):
+        jaxpr = jax.make_jaxpr(lambda x, size=size: linear.as_gemm(product, x, size))(x)
+        (dot,) = equations(jaxpr.jaxpr, "dot_general")
+        assert math.prod(dot.invars[0].aval.shape[:-1]) == rows, size
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected():
