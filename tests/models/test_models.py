@@ -323,10 +323,11 @@ def test_a_preference_takes_the_norm_kernel_up_to_its_row_limit():
 
 def test_one_row_products_stay_gemms():
     """XLA's GPU simplifier turns a vector-matrix product of under 10M elements into a
-    multiply and a reduction that materialise x · W (bf16 products, 4-8x the weight's
-    bytes); a one-row step's projections therefore take two rows (the second zero) and keep
-    the first: a one-token forward holds no one-row product, its logits are the same as
-    one token among several, and a weight past the threshold is left alone (no pad)."""
+    multiply and a reduction that write x · W out and read it back (bf16 products, three
+    times the weight's bytes); a one-row step's projections therefore take two rows (the
+    second zero) and keep the first: a one-token forward holds no one-row product, its
+    logits are the same as one token among several, and a weight past the threshold is
+    left alone (no pad)."""
     cfg = HybridConfig.tiny(layer_pattern="M*-")  # Mamba, attention, MLP; tied head
     model = HybridLM(cfg, implementation="xla", rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(3), (1, 3), 0, cfg.vocab_size)
