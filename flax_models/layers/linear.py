@@ -62,8 +62,8 @@ def as_gemm(product: Callable[[jax.Array], jax.Array], x: jax.Array, weight_size
 
 def matmul(x: jax.Array, kernel: jax.Array, *, precision: jax.lax.Precision | None) -> jax.Array:
     """``x[..., K] @ kernel[K, N]`` in the kernel's dtype, a single row kept a GEMM
-    (:func:`as_gemm`): the row-parallel products the tp layers take of their local
-    weights."""
+    (:func:`as_gemm`): the tp layers' row-parallel products of their local weights and
+    the tied vocabulary head."""
     return as_gemm(
         lambda rows: jnp.dot(rows.astype(kernel.dtype), kernel, precision=precision),
         x,
