@@ -571,21 +571,20 @@ def test_paged_long_context_prefill_takes_wider_kv_steps():
     """Paged prefill behind a long cached context (chunked prefill: cache_len >= 4 T) steps
     over 128 keys, three stages deep; calls shaped like self-attention, contiguous caches,
     pages of 64 keys and fp32 keep 64-key steps (or fewer), and the dQ kernel keeps 64."""
-    blocks = _bamba_blocks
-    chunked = blocks(4096, 32768, 256)
+    chunked = _bamba_blocks(4096, 32768, 256)
     assert (chunked.block_k, chunked.num_stages) == (128, 3)
     backward = attention_triton.default_backward_block_sizes(
         chunked, group=4, head_dim=128, dtype=jnp.bfloat16, page_size=256
     )
     assert (backward.dq_block_k, backward.dkv_block_k) == (64, 128)
     for other in (
-        blocks(16384, 4096, 256),  # dense causal
-        blocks(7680, 4096, 256),  # ragged tail
-        blocks(4096, 32768, None),  # contiguous
-        blocks(4096, 32768, 64),  # the page holds 64 keys
+        _bamba_blocks(16384, 4096, 256),  # dense causal
+        _bamba_blocks(7680, 4096, 256),  # ragged tail
+        _bamba_blocks(4096, 32768, None),  # contiguous
+        _bamba_blocks(4096, 32768, 64),  # the page holds 64 keys
     ):
         assert (other.block_k, other.num_stages) == (64, 3)
-    assert blocks(4096, 32768, 256, jnp.float32).block_k == 32
+    assert _bamba_blocks(4096, 32768, 256, jnp.float32).block_k == 32
 
 
 def test_decode_splits_give_one_program_per_sm():
