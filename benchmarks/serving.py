@@ -19,11 +19,12 @@ and one token bucket (three programs).
 Engine (``engine_options``): 256 slots of ``max_len`` 4608 (4096 + 512) tokens, a token
 budget of 8192 tokens per step (prompt tokens get what the decode rows leave), decode
 buckets 1, 2, 4, ..., 256 (the engine's default; ``--decode-buckets`` to change) and token
-buckets ``pk.token_buckets(8192, policy=--bucket-policy, step=--bucket-step)``, pow2 by
-default. Memory on the device: 18 GB of weights, per slot 121 MB of SSM states (29 Mamba
-layers × 128 heads × 64 × 128 × fp32) and 57 MB of KV pages (3 attention layers × 4608
-tokens × 8 heads × 128 × K and V in bf16), 64 GB in all beside the step's transients: an
-H200 (``--max-slots 128``: 41 GB, for an 80 GB H100).
+buckets ``pk.token_buckets(8192, policy=--bucket-policy, step=--bucket-step)``, the
+engine's default policy (``DEFAULT_TOKEN_BUCKET_POLICY``, sqrt2) unless given. Memory on
+the device: 18 GB of weights, per slot 121 MB of SSM states (29 Mamba layers × 128 heads ×
+64 × 128 × fp32) and 57 MB of KV pages (3 attention layers × 4608 tokens × 8 heads × 128 ×
+K and V in bf16), 64 GB in all beside the step's transients: an H200 (``--max-slots 128``:
+41 GB, for an 80 GB H100).
 
 Measurement: the identical trace runs twice on one engine. The first run compiles the
 programs (one per (decode bucket, token bucket) the schedule uses; the schedule is the
@@ -82,7 +83,7 @@ import pallas_kernels as pk
 from benchmarks import harness
 from flax_models.batching import StepArrays
 from flax_models.config import HybridConfig
-from flax_models.engine import Engine
+from flax_models.engine import DEFAULT_TOKEN_BUCKET_POLICY, Engine
 from flax_models.model import HybridLM
 from flax_models.serving.sampling import SamplingParams
 
@@ -131,7 +132,7 @@ def make_trace(vocab_size: int, spec: dict[str, Any]) -> tuple[list[list[int]], 
 def engine_options(
     quick: bool,
     *,
-    policy: str = "pow2",
+    policy: str = DEFAULT_TOKEN_BUCKET_POLICY,
     step: int | None = None,
     max_slots: int | None = None,
     decode_buckets: Sequence[int] | None = None,
@@ -340,7 +341,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """This module's options, then the harness's (``--out``, ``--quick``)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument(
-        "--bucket-policy", default="pow2", choices=pk.metadata.TOKEN_BUCKET_POLICIES
+        "--bucket-policy",
+        default=DEFAULT_TOKEN_BUCKET_POLICY,
+        choices=pk.metadata.TOKEN_BUCKET_POLICIES,
+        help=f"the engine's default, {DEFAULT_TOKEN_BUCKET_POLICY}",
     )
     parser.add_argument("--bucket-step", type=int, default=None, help="linear's step")
     parser.add_argument("--max-slots", type=int, default=None, help="256 (--quick: 4)")

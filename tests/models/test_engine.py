@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 from flax_models.batching import Request
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.engine import Engine, sample_tokens
@@ -364,6 +365,22 @@ def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
     assert len(stopped[0]) == 3
     # Steps overlap: a read comes after the next step's launch (launch, launch, read).
     assert "launch,launch,read" in ",".join(order)
+
+
+def test_default_token_buckets_pad_prompts_by_at_most_sqrt2():
+    """The engine's default token buckets hold any prompt-token count n of a step in at most
+    ceil16(√2 n) tokens (powers of two, and multiples of 4096 below 4096, pad up to 2n),
+    and stay logarithmic in the budget: at most 2 log2(budget / 16) + 1 programs of each
+    decode bucket, whatever the traffic."""
+    budget = 3000
+    engine = Engine(model(), max_slots=2, max_len=budget, token_budget=budget)
+    buckets = engine.builder.token_buckets
+    counts = np.arange(1, budget + 1)
+    held = np.array([pk.bucket_for(int(n), buckets) for n in counts])
+    bound = np.maximum(16, -(-np.ceil(np.sqrt(2) * counts).astype(int) // 16) * 16)
+    assert np.all(held <= bound), counts[held > bound][:5]
+    assert max(buckets) >= budget
+    assert len(buckets) <= 2 * np.log2(budget / 16) + 1
 
 
 @pytest.mark.parametrize(
