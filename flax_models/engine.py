@@ -78,11 +78,12 @@ __all__ = ["DEFAULT_TOKEN_BUCKET_POLICY", "Engine", "TokenEvent", "sample_tokens
 # Decode snapshot saves per step (``Engine._snapshot_capacity``).
 _DECODE_SAVES = 4
 
-# The default token buckets' spacing (``pk.token_buckets``). Powers of √2 pad a prompt by at
-# most ~41% (powers of two: 100%) for about twice the buckets, still logarithmic in the
-# budget. Measured on Bamba-9B's shape (README, "Token bucket policies"): the serving
-# trace's prompt-token padding 15.3% → 9.1% for 16 programs used instead of 11, and the
-# ragged 22.5k-token prefill runs in 23,184 tokens rather than multiples of 4096's 24,576.
+# The default token buckets' spacing (``pk.token_buckets``). Powers of √2 hold n prompt
+# tokens in at most max(16, ceil16(√2 n)) (~41% padding once n is in the hundreds; powers of
+# two: 100%) for about twice the buckets, still logarithmic in the budget. Measured on
+# Bamba-9B's shape (README, "Token bucket policies"): the serving trace's prompt-token
+# padding 15.3% → 9.1% for 16 programs used instead of 11, and the ragged 22.5k-token
+# prefill runs in 23,184 tokens rather than multiples of 4096's 24,576.
 DEFAULT_TOKEN_BUCKET_POLICY: pk.metadata.TokenBucketPolicy = "sqrt2"
 
 
@@ -200,9 +201,9 @@ class Engine:
         sequence of a group decoding).
       token_buckets: allowed prefill token counts; by default powers of √2 rounded up to
         multiples of 16, from 16 up to the first one >= ``token_budget``
-        (``pk.token_buckets(policy=DEFAULT_TOKEN_BUCKET_POLICY)``): a step's prompt tokens
-        are padded by at most ~41%, for about ``2 log2(token_budget / 16)`` buckets. The
-        largest must hold ``token_budget`` tokens (a full prefill step).
+        (``pk.token_buckets(policy=DEFAULT_TOKEN_BUCKET_POLICY)``): a step's n prompt tokens
+        run in at most ``max(16, ceil16(√2 n))``, for about ``2 log2(token_budget / 16)``
+        buckets. The largest must hold ``token_budget`` tokens (a full prefill step).
       kv_block_size: tokens per KV page (>= 1); the model's ``mamba_chunk_size`` by
         default (a field of configs without Mamba layers too). With prefix caching and
         Mamba layers, a multiple of the chunk size (states are saved at chunk ends).
