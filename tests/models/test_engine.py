@@ -370,9 +370,8 @@ def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
 def test_default_token_buckets_pad_prompts_by_at_most_sqrt2():
     """The engine's default token buckets hold any prompt-token count n of a step in at most
     max(16, ceil16(√2 n)) tokens (powers of two, and multiples of 4096 below 4096, pad up
-    to 2n),
-    and stay logarithmic in the budget: at most 2 log2(budget / 16) + 1 programs of each
-    decode bucket, whatever the traffic."""
+    to 2n), and stay logarithmic in the budget: at most 2 log2(budget / 16) + 1 programs of
+    each decode bucket, whatever the traffic."""
     budget = 3000
     engine = Engine(model(), max_slots=2, max_len=budget, token_budget=budget)
     buckets = engine.builder.token_buckets
