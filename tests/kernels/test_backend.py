@@ -243,6 +243,30 @@ def test_config_steers_auto_to_its_backend():
         picked(toy, 50, config=MosaicTiles())  # mosaic cannot serve; no other takes it
 
 
+def test_equal_calls_are_traced_once():
+    """A model calls each kernel once a layer with equal shapes and constants: the backend
+    is traced, and its kernels lowered, once per program rather than once per layer."""
+    traces = []
+
+    def scale_rows(x, *, scale):
+        traces.append((x.shape, scale))
+        return x * scale
+
+    op = Op("scale_rows", (Backend("xla", scale_rows),))
+
+    def layers(x):
+        for _ in range(3):
+            x = op.run(Call((x,), dict(scale=2.0)), "xla")
+        return x
+
+    x = jnp.arange(32.0).reshape(4, 8)
+    np.testing.assert_array_equal(jax.jit(layers)(x), x * 8)
+    assert traces == [((4, 8), 2.0)]
+    # Another shape, another constant: traced again, with the constant as given.
+    np.testing.assert_array_equal(op.run(Call((x[:2],), dict(scale=3.0)), "xla"), x[:2] * 3)
+    assert traces[1:] == [((2, 8), 3.0)]
+
+
 def test_config_reaches_the_backend_unchanged():
     toy = Toy()
     config = TritonTiles(block=4)
