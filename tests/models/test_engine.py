@@ -17,6 +17,7 @@ from flax_models.batching import Request
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.engine import Engine, sample_tokens
 from flax_models.serving.sampling import SamplingParams
+from flax_models.training import pad_sequences
 from pallas_kernels.testing import assert_close
 from tests.helpers import primitives_outside_kernels
 
@@ -73,9 +74,7 @@ def greedy_references(m, prompts: list[list[int]], generations: list[list[int]])
     causal model's positions do not see the ones after them (eager, a forward per row
     compiled every op for every length)."""
     rows = [p + g for p, g in zip(prompts, generations, strict=True)]
-    ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
+    ids, _ = pad_sequences(rows)
     logits = np.asarray(_jitted_forward(m, jnp.asarray(ids)))
     return [
         [int(t) for t in np.argmax(logits[i, len(p) - 1 : len(r) - 1], axis=-1)]
