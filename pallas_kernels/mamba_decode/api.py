@@ -26,7 +26,7 @@ MAMBA2_DECODE = Op(
                     conv_dim=conv_weight.shape[0],
                     state_shape=ssm_state.shape[1:],
                     norm_group_size=options["norm_group_size"],
-                    gated=options["norm_weight"] is None,
+                    gated=options["norm_weight"] is None and options["gate"],
                 )
             ),
         ),
@@ -133,6 +133,7 @@ def mamba2_decode(
     norm_group_size: int | None = None,
     norm_eps: float = 1e-5,
     norm_before_gate: bool = False,
+    gate: bool = True,
     validate: bool = False,
     implementation: Implementation = "auto",
     config: triton.BlockSizes | None = None,
@@ -141,9 +142,10 @@ def mamba2_decode(
     of out_proj: :func:`causal_conv1d_update` (SiLU) on the xBC columns,
     :func:`selective_state_update` on its x, B, C and the dt columns, then
     :func:`gated_rms_norm` of y gated by the z columns. Without ``norm_weight`` the state
-    update gates ``y · silu(z)`` itself and there is no norm. Equal to those three ops on
-    the split row; the ``triton`` backend runs their kernels on the packed rows, without
-    copying the column slices first.
+    update gates ``y · silu(z)`` itself and there is no norm; with ``gate=False`` as well,
+    y is the state update's output ungated (a caller that gates and norms it itself).
+    Equal to those three ops on the split row; the ``triton`` backend runs their kernels
+    on the packed rows, without copying the column slices first.
 
     With ``d_inner = H P`` and ``conv_dim = d_inner + 2 G N``, row ``r`` of ``zxbcdt`` is
     ``z[d_inner] | x[d_inner] | B[G N] | C[G N] | dt[H]``; G comes from the conv width.
@@ -164,6 +166,10 @@ def mamba2_decode(
       norm_weight: norm_weight[d_inner], or None for no norm (z gates the state update).
       norm_group_size: channels per norm group; ``d_inner / G`` when None.
       norm_eps, norm_before_gate: as :func:`gated_rms_norm`.
+      gate: without ``norm_weight``, whether the state update gates y by ``silu(z)``
+        (ignored with a norm, which always reads z). ``False`` serves a norm whose group
+        spans several devices: its caller completes gate and norm in one XLA fusion, and
+        the ungated state update keeps its faster tiling.
       validate: check ``slot_ids`` on the host.
       implementation: "auto" | "xla" | "triton", or a sequence of backend names to take the
         first that serves the call (see ``pallas_kernels.backend``).
@@ -202,6 +208,7 @@ def mamba2_decode(
             norm_group_size=mixer.norm_group_size,
             norm_eps=float(norm_eps),
             norm_before_gate=bool(norm_before_gate),
+            gate=bool(gate),
         ),
         empty=(
             (lambda: (zxbcdt[:, :d_inner], conv_state_cache, ssm_state_cache)) if Bd == 0 else None

@@ -34,6 +34,7 @@ def composed(
     norm_group_size: int,
     norm_eps: float,
     norm_before_gate: bool,
+    gate: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The step as three ops on ``z``, ``xBC`` and ``dt`` sliced from the packed rows:
     ``conv_update``, ``state_update`` and ``gated_norm`` take the arguments of
@@ -63,7 +64,7 @@ def composed(
         xbc[:, d_inner + gn :].reshape(rows, num_groups, N),
         slot_ids=slot_ids,
         D=D,
-        z=z.reshape(rows, H, P) if norm_weight is None else None,
+        z=z.reshape(rows, H, P) if norm_weight is None and gate else None,
         dt_bias=dt_bias,
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,

@@ -156,6 +156,7 @@ def mamba2_decode(
     norm_group_size: int,
     norm_eps: float,
     norm_before_gate: bool,
+    gate: bool,
     config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -168,6 +169,7 @@ def mamba2_decode(
         norm_group_size=norm_group_size,
         norm_eps=norm_eps,
         norm_before_gate=norm_before_gate,
+        gate=gate,
         config=config,
         interpret=interpret,
     )
@@ -203,6 +205,7 @@ def _fused(
     norm_group_size: int,
     norm_eps: float,
     norm_before_gate: bool,
+    gate: bool,
     config: BlockSizes,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -222,7 +225,7 @@ def _fused(
         interpret=interpret,
     )
     xbc = xbc.reshape(rows, conv_dim)  # drops the unit token axis: a bitcast
-    gate_in_state_update = norm_weight is None
+    gate_in_state_update = norm_weight is None and gate
     y, ssm_state_cache = state_update.state_update_rows(
         ssm_state_cache,
         xbc,

@@ -200,6 +200,7 @@ def test_mamba2_decode_lowers_on_packed_rows(norm):
             norm_group_size=H * P // G,
             norm_eps=1e-5,
             norm_before_gate=False,
+            gate=True,
             config=mamba_decode_triton.default_block_sizes(
                 rows=R,
                 conv_dim=conv_dim,

@@ -69,9 +69,11 @@ def oracle(
     norm_weight,
     norm_group_size=None,
     norm_before_gate=False,
+    gate=True,
     **options,
 ):
-    """The conv update, state update and gated norm oracles on the split row."""
+    """The conv update, state update and gated norm oracles on the split row (without a
+    norm, y gated by silu(z) unless ``gate`` is False)."""
     a = arrays
     rows = a["zxbcdt"].shape[0]
     H, P, N = a["ssm_state_cache"].shape[1:]
@@ -91,7 +93,7 @@ def oracle(
         xbc[:, d_inner : d_inner + gn].reshape(rows, groups, N),
         xbc[:, d_inner + gn :].reshape(rows, groups, N),
         slot_ids=slot_ids,
-        z=z.reshape(rows, H, P) if norm_weight is None else None,
+        z=z.reshape(rows, H, P) if norm_weight is None and gate else None,
         **options,
     )
     y = y.reshape(rows, d_inner)
@@ -135,14 +137,22 @@ def check(arrays, slots, out, *, groups, rtol, **options):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "groups, norm, conv_bias",
-    [(1, "after_gate", True), (2, "before_gate", False), (4, "none", True)],
+    [
+        (1, "after_gate", True),
+        (2, "before_gate", False),
+        (4, "none", True),
+        (1, "none, ungated", False),
+    ],
 )
 def test_matches_oracles(impl, groups, norm, conv_bias):
-    """G 1 / 2 / 4; the norm after or before the gate, or none (z gates the state update);
-    padding rows give 0 and NaN-poisoned slots no row names come back bit-identical."""
+    """G 1 / 2 / 4; the norm after or before the gate, or none (z gates the state update,
+    or with ``gate=False`` nothing does); padding rows give 0 and NaN-poisoned slots no row
+    names come back bit-identical."""
     arrays, options = make_step(4, groups=groups, seed=groups, conv_bias=conv_bias)
-    if norm == "none":
+    if norm.startswith("none"):
         options["norm_weight"] = None
+    if norm == "none, ungated":
+        options["gate"] = False
     options["norm_before_gate"] = norm == "before_gate"
     slots = [3, -1, 0, 5]
     for cache in ("conv_state_cache", "ssm_state_cache"):

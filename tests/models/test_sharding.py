@@ -159,26 +159,34 @@ cached = Engine(sharded, **options, prefix_caching=True)  # blocks of one chunk 
 out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit_tokens"]]
 lap("engine")
 
-# A step of decode rows at tp = 2: Bamba's one norm group spans both devices, so each
-# device's mixer runs the fused decode step with z gating the state update (no norm) and
-# folds the norm into out_proj's all-reduce. Its logits are the single device's.
+# A step of decode rows at tp = 2: Bamba's one norm group spans both devices (Falcon-H1's
+# too, normed before the gate), so each device's mixer runs the fused decode step without
+# the norm and with the state update ungated, and completes gate and norm around out_proj's
+# all-reduce. Its logits are the single device's (which runs it with the norm).
 from flax_models.batching import Request
 from flax_models.layers import mamba2
 fused_calls, real_decode = [], mamba2.pk.mamba2_decode
 def counted_decode(*args, **kwargs):
-    fused_calls.append(kwargs["norm_weight"] is None)
+    fused_calls.append([kwargs["norm_weight"] is not None, kwargs.get("gate", True)])
     return real_decode(*args, **kwargs)
 mamba2.pk.mamba2_decode = counted_decode
-step_logits, gate_only = [], []
-for m in (single, sharded):
-    fused_calls.clear()
-    e = Engine(m, max_slots=2, max_len=40, token_budget=16, decode_buckets=(2,))
-    e.step(e.builder.build([], [Request(0, prompts[0], 0), Request(1, prompts[2], 0)]))
-    decode = [Request(0, [11], len(prompts[0])), Request(1, [12], len(prompts[2]))]
-    step_logits.append(np.asarray(e.step(e.builder.build(decode, []))))
-    gate_only.append(list(fused_calls))
+out["decode_step"] = {}
+for name in ("bamba", "falcon_h1_norm"):
+    step_logits, calls = [], []
+    path = f"tests/fixtures/{name}"
+    if name == "bamba":
+        models = (single, sharded)
+    else:
+        models = [load_hf_checkpoint(path, implementation="xla", mesh=m) for m in (None, mesh[2])]
+    for m in models:
+        fused_calls.clear()
+        e = Engine(m, max_slots=2, max_len=40, token_budget=16, decode_buckets=(2,))
+        e.step(e.builder.build([], [Request(0, prompts[0], 0), Request(1, prompts[2], 0)]))
+        decode = [Request(0, [11], len(prompts[0])), Request(1, [12], len(prompts[2]))]
+        step_logits.append(np.asarray(e.step(e.builder.build(decode, []))))
+        calls.append(list(fused_calls))
+    out["decode_step"][name] = dict(error=rel(*step_logits), calls=calls)
 mamba2.pk.mamba2_decode = real_decode
-out["decode_step"] = dict(error=rel(*step_logits), gate_only=gate_only)
 lap("decode step")
 out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 
@@ -397,14 +405,16 @@ def test_engine_generates_the_single_device_tokens(results):
     assert second == first  # the second generation compiled nothing
 
 
-def test_decode_step_on_a_mesh_runs_the_fused_mixer(results):
-    """tp = 2 with one norm group over both devices: the decode step's mixers run
-    ``mamba2_decode`` gating the state update by z (the norm folded after out_proj), and the
-    step's logits are the single device's (which runs it with the norm)."""
-    step = results["decode_step"]
-    single, sharded = step["gate_only"]
-    assert single and not any(single)
-    assert sharded and all(sharded)
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1_norm"])
+def test_decode_step_on_a_mesh_runs_the_fused_mixer(results, name):
+    """tp = 2 with one norm group over both devices (normed after the gate, or before it):
+    the decode step's mixers run ``mamba2_decode`` without the norm and with the state
+    update ungated (gate and norm completed around out_proj's all-reduce), and the step's
+    logits are the single device's (which runs it with the norm and z)."""
+    step = results["decode_step"][name]
+    single, sharded = step["calls"]  # [norm in the call, gate] per call
+    assert single and all(call == [True, True] for call in single)
+    assert sharded and all(call == [False, False] for call in sharded)
     assert step["error"] <= 1e-5, step["error"]
 
 
