@@ -89,13 +89,18 @@ class Mamba2Mixer(nnx.Module):
             local.norm_devices = norm_devices
             kernel = local.out_proj.kernel[...]
             if fold_norm:
-                if batch.num_decode == h.shape[0]:
-                    # Decode rows only: the fused decode step (no slice copies) with its
-                    # state update ungated, whose tiling is faster than the gated one's
-                    # (89.8 against 87.3% of the copy rate at 256 rows of 64 heads, one
+                if batch.num_decode == h.shape[0] or not (
+                    cache.has_snapshots and batch.snapshots is not None
+                ):
+                    # The fused steps on in_proj's packed rows (no slice copies: at 32k
+                    # tokens of Bamba-9B's tp = 2 prefill they cost 0.33 ms a layer, two
+                    # H200s), ungated (the decode update's ungated tiling is also faster:
+                    # 89.8 against 87.3% of the copy rate at 256 rows of 64 heads, one
                     # H200); the gate rides in the norm's XLA fusion, reading z in place.
                     zxbcdt = local._project(h)
-                    y, cache = local._decode_rows(zxbcdt, batch, cache, norm=False, gate=False)
+                    decode_only = batch.num_decode == h.shape[0]
+                    fused = local._decode_rows if decode_only else local._packed_rows
+                    y, cache = fused(zxbcdt, batch, cache, norm=False, gate=False)
                     terms, squares = local._norm_terms(y, zxbcdt[:, : y.shape[-1]])
                 else:
                     y, z, cache = local._ssm(h, batch, cache)
@@ -191,11 +196,23 @@ class Mamba2Mixer(nnx.Module):
         and ``pk.mamba2_prefill`` on the prefill rows, both reading in_proj's packed rows
         (no column slice copied: at 32k tokens of Bamba-9B each slice copy costs about
         0.3 ms a layer on an H200)."""
+        return self._packed_rows(self._project(h), batch, cache)
+
+    def _packed_rows(
+        self,
+        zxbcdt: jax.Array,
+        batch: ForwardBatch,
+        cache: MambaCache,
+        *,
+        norm: bool = True,
+        gate: bool = True,
+    ) -> tuple[jax.Array, MambaCache]:
+        """Steps 2-4 of :meth:`_packed_step`, given in_proj's rows; ``norm`` and ``gate``
+        as :meth:`_decode_rows` takes them."""
         cfg, nd = self.cfg, batch.num_decode
-        zxbcdt = self._project(h)
         ys = []
         if nd:
-            y, cache = self._decode_rows(zxbcdt[:nd], batch, cache)
+            y, cache = self._decode_rows(zxbcdt[:nd], batch, cache, norm=norm, gate=gate)
             ys.append(y)
         y, conv_state, ssm_state = pk.mamba2_prefill(
             zxbcdt[nd:],
@@ -209,7 +226,8 @@ class Mamba2Mixer(nnx.Module):
             chunk_size=cfg.mamba_chunk_size,
             slot_ids=batch.slot_ids[nd:],
             has_initial_state=batch.has_initial_state[nd:],
-            **self._norm_params(),
+            gate=gate,
+            **self._norm_params(norm),
             **self._ssm_params(),
         )
         ys.append(y)

@@ -60,6 +60,7 @@ def mamba2_prefill(
     norm_group_size: int | None = None,
     norm_eps: float = 1e-5,
     norm_before_gate: bool = False,
+    gate: bool = True,
     validate: bool = False,
     implementation: Implementation = "auto",
     config: triton.BlockSizes | None = None,
@@ -68,10 +69,11 @@ def mamba2_prefill(
     of out_proj: :func:`causal_conv1d` (SiLU) on the xBC columns, :func:`ssd_scan` on its
     x, B, C and the dt columns continuing from and writing back to the state cache, then
     :func:`gated_rms_norm` of y gated by the z columns. Without ``norm_weight`` the scan
-    gates ``y · silu(z)`` itself and there is no norm. Equal to those three ops on the
-    split rows; the ``triton`` backend runs their kernels on the packed rows, without
-    copying the column slices first (its scan takes whichever backend of ``ssd_scan``
-    ``implementation`` picks there: Mosaic GPU under ``auto`` on a Hopper GPU).
+    gates ``y · silu(z)`` itself and there is no norm; with ``gate=False`` as well, y is
+    the scan's output ungated. Equal to those three ops on the split rows; the ``triton``
+    backend runs their kernels on the packed rows, without copying the column slices
+    first (its scan takes whichever backend of ``ssd_scan`` ``implementation`` picks there:
+    Mosaic GPU under ``auto`` on a Hopper GPU).
 
     With ``d_inner = H P`` and ``conv_dim = d_inner + 2 G N``, row ``t`` of ``zxbcdt`` is
     ``z[d_inner] | x[d_inner] | B[G N] | C[G N] | dt[H]``; G comes from the conv width.
@@ -96,6 +98,10 @@ def mamba2_prefill(
       norm_weight: norm_weight[d_inner], or None for no norm (z gates the scan).
       norm_group_size: channels per norm group; ``d_inner / G`` when None.
       norm_eps, norm_before_gate: as :func:`gated_rms_norm`.
+      gate: without ``norm_weight``, whether the scan gates y by ``silu(z)`` (ignored with
+        a norm, which always reads z). ``False`` serves a norm whose group spans several
+        devices: its caller completes gate and norm in one XLA fusion, and z is not
+        copied out of the packed rows for the scan.
       validate: check ``query_start_loc``, ``slot_ids`` and the metadata on the host.
       implementation: "auto" | "xla" | "triton", or a sequence of backend names to take the
         first that serves the call (see ``pallas_kernels.backend``); the ``triton``
@@ -149,6 +155,7 @@ def mamba2_prefill(
             norm_group_size=mixer.norm_group_size,
             norm_eps=float(norm_eps),
             norm_before_gate=bool(norm_before_gate),
+            gate=bool(gate),
             ssd_implementation=implementation,
         ),
         empty=(

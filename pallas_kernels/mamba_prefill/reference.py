@@ -68,6 +68,7 @@ def mamba2_prefill(
     norm_group_size: int,
     norm_eps: float,
     norm_before_gate: bool,
+    gate: bool,
     ssd_implementation,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """See :func:`pallas_kernels.mamba2_prefill`; arguments are already validated."""
@@ -99,7 +100,7 @@ def mamba2_prefill(
         has_initial_state=has_initial_state,
         chunk_size=chunk_size,
         D=D,
-        z=z.reshape(T, H, P) if norm_weight is None else None,
+        z=z.reshape(T, H, P) if norm_weight is None and gate else None,
         dt_bias=dt_bias,
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,

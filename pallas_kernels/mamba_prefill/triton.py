@@ -91,6 +91,7 @@ class _Options:
     norm_group_size: int
     norm_eps: float
     norm_before_gate: bool
+    gate: bool
     ssd_implementation: str | tuple[str, ...]
     config: BlockSizes
     interpret: bool
@@ -130,7 +131,8 @@ def _step(arrays: _Arrays, options: _Options, *, fused: bool) -> tuple[jax.Array
     # Column slices are copies: the fused step takes only dt's (and z's for a scan that
     # gates, there being no norm).
     dt = zxbcdt[:, d_inner + conv_dim :]
-    z = zxbcdt[:, :d_inner] if norm_weight is None or not fused else None
+    scan_gates = norm_weight is None and options.gate
+    z = zxbcdt[:, :d_inner] if scan_gates or (norm_weight is not None and not fused) else None
     conv_options = dict(
         query_start_loc=arrays.query_start_loc,
         conv_state_cache=conv_state_cache,
@@ -165,7 +167,7 @@ def _step(arrays: _Arrays, options: _Options, *, fused: bool) -> tuple[jax.Array
         has_initial_state=arrays.has_initial_state,
         chunk_size=options.chunk_size,
         D=arrays.D,
-        z=z.reshape(T, H, P) if norm_weight is None else None,
+        z=z.reshape(T, H, P) if scan_gates else None,
         dt_bias=arrays.dt_bias,
         dt_softplus=options.dt_softplus,
         dt_limit=options.dt_limit,
@@ -240,6 +242,7 @@ def mamba2_prefill(
     norm_group_size: int,
     norm_eps: float,
     norm_before_gate: bool,
+    gate: bool,
     ssd_implementation: str | tuple[str, ...],
     config: BlockSizes,
     interpret: bool = False,
@@ -254,6 +257,7 @@ def mamba2_prefill(
         norm_group_size=norm_group_size,
         norm_eps=norm_eps,
         norm_before_gate=norm_before_gate,
+        gate=gate,
         ssd_implementation=(
             ssd_implementation if isinstance(ssd_implementation, str) else tuple(ssd_implementation)
         ),

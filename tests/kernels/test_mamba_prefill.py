@@ -92,9 +92,12 @@ def make_step(
     return arrays, options
 
 
-def oracle(arrays, *, groups, norm_weight, norm_group_size=None, norm_before_gate=False, **o):
+def oracle(
+    arrays, *, groups, norm_weight, norm_group_size=None, norm_before_gate=False, gate=True, **o
+):
     """The conv, SSD and gated norm oracles on the split rows, the caches read and written
-    per sequence as the ops' ``state_cache`` forms do."""
+    per sequence as the ops' ``state_cache`` forms do (without a norm, y gated by silu(z)
+    unless ``gate`` is False)."""
     a = arrays
     T = a["zxbcdt"].shape[0]
     H, P, N = a["ssm_state_cache"].shape[1:]
@@ -121,7 +124,8 @@ def oracle(arrays, *, groups, norm_weight, norm_group_size=None, norm_before_gat
         xbc[:, d_inner : d_inner + gn].reshape(T, groups, N),
         xbc[:, d_inner + gn :].reshape(T, groups, N),
         query_start_loc=qsl, D=o["D"], dt_bias=o["dt_bias"], dt_softplus=True,
-        z=z.reshape(T, H, P) if norm_weight is None else None, initial_states=initial,
+        z=z.reshape(T, H, P) if norm_weight is None and gate else None,
+        initial_states=initial,
     )  # fmt: skip
     ssm_cache = cache.copy()
     for b, slot in enumerate(slots):
@@ -176,17 +180,25 @@ LENGTHS, SLOTS, HAS_STATE = [13, 0, 6, 2, 19], [3, 1, -1, 0, 5], [True, True, Fa
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "groups, norm, conv_bias",
-    [(1, "after_gate", True), (2, "before_gate", False), (4, "none", True)],
+    [
+        (1, "after_gate", True),
+        (2, "before_gate", False),
+        (4, "none", True),
+        (1, "none, ungated", False),
+    ],
 )
 def test_matches_oracles(impl, groups, norm, conv_bias):
-    """G 1 / 2 / 4; the norm after or before the gate, or none (z gates the scan); rows
-    of padding sequences and of the bucket (NaN in) give 0; NaN-poisoned slots no
-    sequence names come back bit-identical, as does the slot of the empty sequence."""
+    """G 1 / 2 / 4; the norm after or before the gate, or none (z gates the scan, or with
+    ``gate=False`` nothing does); rows of padding sequences and of the bucket (NaN in)
+    give 0; NaN-poisoned slots no sequence names come back bit-identical, as does the slot
+    of the empty sequence."""
     arrays, options = make_step(
         LENGTHS, SLOTS, HAS_STATE, groups=groups, num_tokens=45, seed=groups, conv_bias=conv_bias
     )
-    if norm == "none":
+    if norm.startswith("none"):
         options["norm_weight"] = None
+    if norm == "none, ungated":
+        options["gate"] = False
     options["norm_before_gate"] = norm == "before_gate"
     out = run(impl, arrays, **options)
     check(arrays, out, groups=groups, rtol=F32_TOL, **options)
