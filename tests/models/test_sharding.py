@@ -159,20 +159,25 @@ cached = Engine(sharded, **options, prefix_caching=True)  # blocks of one chunk 
 out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit_tokens"]]
 lap("engine")
 
-# A step of decode rows at tp = 2: Bamba's one norm group spans both devices (Falcon-H1's
-# too, normed before the gate), so each device's mixer runs the fused decode step without
-# the norm and with the state update ungated, and completes gate and norm around out_proj's
-# all-reduce. Its logits are the single device's (which runs it with the norm).
+# A prefill step and a decode step at tp = 2: Bamba's one norm group spans both devices
+# (Falcon-H1's too, normed before the gate), so each device's mixer runs the fused steps on
+# in_proj's packed rows without the norm and ungated, and completes gate and norm around
+# out_proj's all-reduce. The steps' logits are the single device's (which runs the fused
+# steps with the norm).
 from flax_models.batching import Request
 from flax_models.layers import mamba2
-fused_calls, real_decode = [], mamba2.pk.mamba2_decode
-def counted_decode(*args, **kwargs):
-    fused_calls.append([kwargs["norm_weight"] is not None, kwargs.get("gate", True)])
-    return real_decode(*args, **kwargs)
-mamba2.pk.mamba2_decode = counted_decode
-out["decode_step"] = {}
+fused_calls = []
+real_ops = {op: getattr(mamba2.pk, op) for op in ("mamba2_decode", "mamba2_prefill")}
+def counted(op):
+    def call(*args, **kwargs):
+        fused_calls.append([op, kwargs["norm_weight"] is not None, kwargs.get("gate", True)])
+        return real_ops[op](*args, **kwargs)
+    return call
+for op in real_ops:
+    setattr(mamba2.pk, op, counted(op))
+out["fused_steps"] = {}
 for name in ("bamba", "falcon_h1_norm"):
-    step_logits, calls = [], []
+    logits, calls = {"prefill": [], "decode": []}, []
     path = f"tests/fixtures/{name}"
     if name == "bamba":
         models = (single, sharded)
@@ -181,13 +186,17 @@ for name in ("bamba", "falcon_h1_norm"):
     for m in models:
         fused_calls.clear()
         e = Engine(m, max_slots=2, max_len=40, token_budget=16, decode_buckets=(2,))
-        e.step(e.builder.build([], [Request(0, prompts[0], 0), Request(1, prompts[2], 0)]))
+        prefill = [Request(0, prompts[0], 0), Request(1, prompts[2], 0)]
+        logits["prefill"].append(np.asarray(e.step(e.builder.build([], prefill))))
         decode = [Request(0, [11], len(prompts[0])), Request(1, [12], len(prompts[2]))]
-        step_logits.append(np.asarray(e.step(e.builder.build(decode, []))))
-        calls.append(list(fused_calls))
-    out["decode_step"][name] = dict(error=rel(*step_logits), calls=calls)
-mamba2.pk.mamba2_decode = real_decode
-lap("decode step")
+        logits["decode"].append(np.asarray(e.step(e.builder.build(decode, []))))
+        calls.append(sorted({tuple(call) for call in fused_calls}))
+    out["fused_steps"][name] = dict(
+        errors={step: rel(*pair) for step, pair in logits.items()}, calls=calls
+    )
+for op, real in real_ops.items():
+    setattr(mamba2.pk, op, real)
+lap("fused steps")
 out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 
 # Data parallelism: the engine's slots in dp = 2 groups of 2 (a mesh dp x tp) on the prompts
@@ -406,16 +415,18 @@ def test_engine_generates_the_single_device_tokens(results):
 
 
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1_norm"])
-def test_decode_step_on_a_mesh_runs_the_fused_mixer(results, name):
+def test_steps_on_a_mesh_run_the_fused_mixer(results, name):
     """tp = 2 with one norm group over both devices (normed after the gate, or before it):
-    the decode step's mixers run ``mamba2_decode`` without the norm and with the state
-    update ungated (gate and norm completed around out_proj's all-reduce), and the step's
-    logits are the single device's (which runs it with the norm and z)."""
-    step = results["decode_step"][name]
-    single, sharded = step["calls"]  # [norm in the call, gate] per call
-    assert single and all(call == [True, True] for call in single)
-    assert sharded and all(call == [False, False] for call in sharded)
-    assert step["error"] <= 1e-5, step["error"]
+    the prefill and decode steps' mixers run ``mamba2_prefill`` and ``mamba2_decode``
+    without the norm and ungated (gate and norm completed around out_proj's all-reduce),
+    and the steps' logits are the single device's (which runs them with the norm)."""
+    steps = results["fused_steps"][name]
+    single, sharded = steps["calls"]  # distinct [op, norm in the call, gate] of each model
+    ops = ["mamba2_decode", "mamba2_prefill"]
+    assert single == [[op, True, True] for op in ops]
+    assert sharded == [[op, False, False] for op in ops]
+    for step, error in steps["errors"].items():
+        assert error <= 1e-5, (step, error)
 
 
 def test_engine_prefix_caching_on_a_mesh(results):
