@@ -89,18 +89,14 @@ class Mamba2Mixer(nnx.Module):
             local.norm_devices = norm_devices
             kernel = local.out_proj.kernel[...]
             if fold_norm:
-                if batch.num_decode == h.shape[0] or not (
-                    cache.has_snapshots and batch.snapshots is not None
-                ):
+                if local._fuses(h, batch, cache):
                     # The fused steps on in_proj's packed rows (no slice copies: at 32k
                     # tokens of Bamba-9B's tp = 2 prefill they cost 0.33 ms a layer, two
                     # H200s), ungated (the decode update's ungated tiling is also faster:
                     # 89.8 against 87.3% of the copy rate at 256 rows of 64 heads, one
                     # H200); the gate rides in the norm's XLA fusion, reading z in place.
                     zxbcdt = local._project(h)
-                    decode_only = batch.num_decode == h.shape[0]
-                    fused = local._decode_rows if decode_only else local._packed_rows
-                    y, cache = fused(zxbcdt, batch, cache, norm=False, gate=False)
+                    y, cache = local._fused_rows(zxbcdt, batch, cache, norm=False, gate=False)
                     terms, squares = local._norm_terms(y, zxbcdt[:, : y.shape[-1]])
                 else:
                     y, z, cache = local._ssm(h, batch, cache)
@@ -124,11 +120,8 @@ class Mamba2Mixer(nnx.Module):
     ) -> tuple[jax.Array, MambaCache]:
         """Steps 1-4: everything before the output projection; y[T, d_inner]."""
         cfg = self.cfg
-        if self.norm_devices == 1:
-            if batch.num_decode == h.shape[0]:
-                return self._decode_step(h, batch, cache)
-            if not (cache.has_snapshots and batch.snapshots is not None):
-                return self._packed_step(h, batch, cache)
+        if self.norm_devices == 1 and self._fuses(h, batch, cache):
+            return self._fused_rows(self._project(h), batch, cache)
         y, z, cache = self._ssm(h, batch, cache)
         # 4) Gated grouped RMSNorm (groups of d_inner / G); the output projection follows.
         if self.norm_weight is not None and self.norm_devices > 1:
@@ -150,16 +143,14 @@ class Mamba2Mixer(nnx.Module):
         per-segment multipliers)."""
         return self._scale_segments(self.in_proj(scaled(h, self.cfg.mamba_in_multiplier)))
 
-    def _decode_step(
-        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
-    ) -> tuple[jax.Array, MambaCache]:
-        """Steps 1-4 of a step whose every row is one decode token: ``pk.mamba2_decode``
-        runs the conv update, state update and gated norm on in_proj's packed rows (its
-        kernels read z, xBC and dt where they lie, instead of XLA copying each slice out
-        first). Used wherever the norm is local to a device."""
-        return self._decode_rows(self._project(h), batch, cache)
+    @staticmethod
+    def _fuses(h: jax.Array, batch: ForwardBatch, cache: MambaCache) -> bool:
+        """Whether the step runs the fused ops (:meth:`_fused_rows`): its rows are all
+        decode rows, or it takes no prefix snapshots (the unfused path saves prefill ones)."""
+        decode_only = batch.num_decode == h.shape[0]
+        return decode_only or not (cache.has_snapshots and batch.snapshots is not None)
 
-    def _decode_rows(
+    def _fused_rows(
         self,
         zxbcdt: jax.Array,
         batch: ForwardBatch,
@@ -168,71 +159,36 @@ class Mamba2Mixer(nnx.Module):
         norm: bool = True,
         gate: bool = True,
     ) -> tuple[jax.Array, MambaCache]:
-        """Steps 2-4 of the step's decode rows, given their in_proj rows (see
-        :meth:`_decode_step`). ``norm=False``: steps 2-3 only, y · silu(z) (z gating the
-        state update), or with ``gate=False`` y ungated, for a norm the caller completes."""
-        y, conv_state, ssm_state = pk.mamba2_decode(
-            zxbcdt,
-            cache.conv_state,
-            self.conv_weight[...],
-            self._conv_bias(),
-            cache.ssm_state,
-            self._A_log(),
-            slot_ids=batch.slot_ids[: batch.num_decode],
-            gate=gate,
-            **self._norm_params(norm),
-            **self._ssm_params(),
-        )
-        cache = dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
-        if cache.has_snapshots and batch.snapshots is not None:
-            cache = self._save_decode_snapshots(batch, cache)
-        return y, cache
-
-    def _packed_step(
-        self, h: jax.Array, batch: ForwardBatch, cache: MambaCache
-    ) -> tuple[jax.Array, MambaCache]:
-        """Steps 1-4 of a step with prefill sequences (after its decode rows, if any), the
-        norm local and no prefix snapshots to take: ``pk.mamba2_decode`` on the decode rows
-        and ``pk.mamba2_prefill`` on the prefill rows, both reading in_proj's packed rows
-        (no column slice copied: at 32k tokens of Bamba-9B each slice copy costs about
-        0.3 ms a layer on an H200)."""
-        return self._packed_rows(self._project(h), batch, cache)
-
-    def _packed_rows(
-        self,
-        zxbcdt: jax.Array,
-        batch: ForwardBatch,
-        cache: MambaCache,
-        *,
-        norm: bool = True,
-        gate: bool = True,
-    ) -> tuple[jax.Array, MambaCache]:
-        """Steps 2-4 of :meth:`_packed_step`, given in_proj's rows; ``norm`` and ``gate``
-        as :meth:`_decode_rows` takes them."""
+        """Steps 2-4 on in_proj's packed rows ``zxbcdt[T, z | xBC | dt]``, for a step of
+        decode rows only or one with no prefix snapshots to take: ``pk.mamba2_decode`` on
+        the decode rows and ``pk.mamba2_prefill`` on the prefill rows, their kernels
+        reading z, xBC and dt where they lie (no column slice copied: at 32k tokens of
+        Bamba-9B each slice copy costs about 0.3 ms a layer on an H200). ``norm=False``:
+        steps 2-3 only, y · silu(z) (z gating the SSM ops), or with ``gate=False`` y
+        ungated, for a norm the caller completes."""
         cfg, nd = self.cfg, batch.num_decode
+        options = dict(gate=gate, **self._norm_params(norm), **self._ssm_params())
+        conv = (self.conv_weight[...], self._conv_bias())
         ys = []
         if nd:
-            y, cache = self._decode_rows(zxbcdt[:nd], batch, cache, norm=norm, gate=gate)
+            y, conv_state, ssm_state = pk.mamba2_decode(
+                zxbcdt[:nd], cache.conv_state, *conv, cache.ssm_state, self._A_log(),
+                slot_ids=batch.slot_ids[:nd], **options,
+            )  # fmt: skip
             ys.append(y)
-        y, conv_state, ssm_state = pk.mamba2_prefill(
-            zxbcdt[nd:],
-            cache.conv_state,
-            self.conv_weight[...],
-            self._conv_bias(),
-            cache.ssm_state,
-            self._A_log(),
-            query_start_loc=batch.prefill_query_start_loc,
-            metadata=batch.chunks,
-            chunk_size=cfg.mamba_chunk_size,
-            slot_ids=batch.slot_ids[nd:],
-            has_initial_state=batch.has_initial_state[nd:],
-            gate=gate,
-            **self._norm_params(norm),
-            **self._ssm_params(),
-        )
-        ys.append(y)
-        cache = dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
-        return (jnp.concatenate(ys) if nd else y), cache
+            cache = dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
+            if cache.has_snapshots and batch.snapshots is not None:
+                cache = self._save_decode_snapshots(batch, cache)
+        if nd < zxbcdt.shape[0]:
+            y, conv_state, ssm_state = pk.mamba2_prefill(
+                zxbcdt[nd:], cache.conv_state, *conv, cache.ssm_state, self._A_log(),
+                query_start_loc=batch.prefill_query_start_loc, metadata=batch.chunks,
+                chunk_size=cfg.mamba_chunk_size, slot_ids=batch.slot_ids[nd:],
+                has_initial_state=batch.has_initial_state[nd:], **options,
+            )  # fmt: skip
+            ys.append(y)
+            cache = dataclasses.replace(cache, conv_state=conv_state, ssm_state=ssm_state)
+        return (jnp.concatenate(ys) if len(ys) > 1 else ys[0]), cache
 
     def _norm_params(self, norm: bool = True) -> dict:
         """The fused steps' norm arguments (no norm: ``norm=False`` or no norm weight)."""
