@@ -173,12 +173,12 @@ def test_state_update_lowers(cache_dtype, R):
     assert f"tensor<{H}x{P}xf32>" not in text, "D was broadcast to [H, P]"
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_mamba2_decode_lowers_on_packed_rows(norm):
+@pytest.mark.parametrize("norm, gate", [(True, True), (False, True), (False, False)])
+def test_mamba2_decode_lowers_on_packed_rows(norm, gate):
     """Bamba-9B's decode mixer lowers as the conv update, the state update and (with the
     norm) the gated norm, and nothing outside the kernels slices in_proj's rows or the conv
     output: each such slice was an XLA copy kernel a layer before the kernels read the
-    packed rows."""
+    packed rows. Without the norm the state update is gated by z, or ungated."""
     S, H, P, N, G, K, R = 8, 128, 64, 128, 1, 4, 64
     conv_dim = H * P + 2 * G * N
 
@@ -200,13 +200,13 @@ def test_mamba2_decode_lowers_on_packed_rows(norm):
             norm_group_size=H * P // G,
             norm_eps=1e-5,
             norm_before_gate=False,
-            gate=True,
+            gate=gate,
             config=mamba_decode_triton.default_block_sizes(
                 rows=R,
                 conv_dim=conv_dim,
                 state_shape=(H, P, N),
                 norm_group_size=H * P // G,
-                gated=not norm,
+                gated=not norm and gate,
             ),
         )
 

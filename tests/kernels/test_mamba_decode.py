@@ -253,17 +253,21 @@ def test_bad_norm_group_size():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "rows, groups, norm", [(1, 1, True), (64, 8, False), (256, 1, True), (256, 8, False)]
-)
-def test_gpu_real_sizes(rows, groups, norm):
-    """Bamba-9B's mixer (H 128, P 64, N 128, K 4), bf16 rows, fp32 states; with the norm or
-    with z gating the state update (its own tiling at many rows)."""
+    "rows, groups, norm, gate",
+    [(1, 1, True, True), (64, 8, False, True), (256, 1, True, True), (256, 8, False, True),
+     (256, 1, False, False)],
+)  # fmt: skip
+def test_gpu_real_sizes(rows, groups, norm, gate):
+    """Bamba-9B's mixer (H 128, P 64, N 128, K 4), bf16 rows, fp32 states; with the norm,
+    with z gating the state update (its own tiling at many rows), or neither (a tp mixer's
+    ungated update)."""
     arrays, options = make_step(
         rows, groups=groups, slots=2 * rows + 1, heads=128, head_dim=64, state_dim=128,
         dtype=jnp.bfloat16, seed=rows + groups,
     )  # fmt: skip
     if not norm:
         options["norm_weight"] = None
+    options["gate"] = gate
     slots = np.random.default_rng(rows).permutation(2 * rows + 1)[:rows]
     slots[::7] = -1
     for cache in ("conv_state_cache", "ssm_state_cache"):
