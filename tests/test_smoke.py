@@ -69,7 +69,7 @@ def test_conv1d_benchmark_quick(tmp_path):
 def test_model_benchmark_quick(tmp_path):
     out = tmp_path / "model.json"
     # Off-GPU ``auto`` runs the xla backends: its rows would time the xla rows' programs
-    # again (about 50 s of CI), so there the test times xla alone, the ratio's baseline.
+    # again (102 -> 38 s alone), so there the test times xla alone, the ratio's baseline.
     implementations = ["auto", "xla"] if jax.default_backend() == "gpu" else ["xla"]
     rows = model_benchmark.main(
         ["--quick", "--implementations", *implementations, "--out", str(out)]
