@@ -50,13 +50,17 @@ def check_float(name: str, value: object, *, low: float | None = None) -> float:
 
 
 def check_int_fields(config: object) -> None:
-    """Every field of a block-size dataclass is an int, or None where the type allows it:
-    ``ValueError`` naming the field otherwise (before the type's own range checks would
-    compare a string or a float)."""
+    """Every field of a block-size dataclass is an int (a bool where the field is declared
+    ``bool``), or None where the type allows it: ``ValueError`` naming the field otherwise
+    (before the type's own range checks would compare a string or a float)."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if value is not None:
-            check_int(f"{type(config).__name__}.{field.name}", value)
+        name = f"{type(config).__name__}.{field.name}"
+        if field.type in (bool, "bool"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be a bool")
+        elif value is not None:
+            check_int(name, value)
 
 
 def check_shape(name: str, array: jax.Array, expected: Sequence[int | None], letters: str) -> None:

@@ -4,9 +4,11 @@ One program per (row, block of heads, head-dim block): for each of its heads, ga
 row's state tile from its cache slot, advance it one token (``s ← exp(dt' A) s + dt' x ⊗
 B``), write it back in place (the cache is aliased input → output), and reduce ``y = s · C
 + D x`` with the z gate. dt and A are scalars per head (Mamba2), so the decay is one
-``exp`` per head. The heads of a program are a software-pipelined loop (the next head's
-state loads while this one's is reduced and stored), which keeps more bytes in flight per
-SM than one head per program. Rows whose slot is ``-1`` read and write nothing and produce
+``exp`` per head. The heads of a program are a loop, which keeps more bytes in flight per
+SM than one head per program: software-pipelined (the next head's state loads while this
+one's is reduced and stored), or unrolled after the block's dt', decays and D are computed
+as vectors (``BlockSizes.unroll_heads``, the default with many rows), so that nothing
+stands between the heads' state loads. Rows whose slot is ``-1`` read and write nothing and produce
 zeros. Memory-bound: each named state is read once and written once, fp32 or bf16, with
 fp32 arithmetic.
 
@@ -43,9 +45,13 @@ class BlockSizes:
     """Tiling of the state-update kernel."""
 
     block_p: int = 32  # head-dim rows of the state tile per program
-    block_h: int = 1  # heads per program, a pipelined loop (a power of two)
+    block_h: int = 1  # heads per program, a loop (a power of two)
     num_warps: int = 4  # warps per program
     num_stages: int = 1  # software-pipelining depth of the loop over heads
+    # The loop over heads unrolled, each head's dt', decay and D computed for the whole
+    # block as vectors before it, and B and C loaded once when the block's heads share a
+    # group: the loads of every head's state tile can then be issued at once.
+    unroll_heads: bool = False
 
     def __post_init__(self):
         check_int_fields(self)
@@ -75,6 +81,8 @@ class Columns:
 _MIN_PROGRAMS = 512
 # Heads per program at most (measured best on the H200, below).
 _MAX_BLOCK_H = 16
+# Heads per program of an unrolled loop (``BlockSizes.unroll_heads``; best on the H200).
+_UNROLLED_HEADS = 4
 
 
 def default_block_sizes(
@@ -88,8 +96,12 @@ def default_block_sizes(
     launch keeps ``_MIN_PROGRAMS`` programs: 88-89% at 64 and 256 rows (2 heads 86-87%,
     4 heads 86-88%, 8 heads at 8 warps 85-89%; benchmarks/results/nvidia_h200.json).
     With the z gate (``gated``) the 16-warp whole-head tiles fall to 74-75% of copy; half
-    heads (32 × 128) at 8 warps keep 87-88% (H200, 2026-11-27, same run). Below half
-    ``_MIN_PROGRAMS`` whole-head programs (a one-row step), half-head tiles."""
+    heads (32 × 128) at 8 warps keep 87-88% (H200, 2026-11-27, same run). Without it, where
+    the loop would take 4 heads or more, 4 heads unrolled at 16 warps instead: 89.3 / 89.3%
+    of copy at 64 / 256 rows against the 16-head loop's 86.9 / 87.3% (H200, 2026-11-28, same
+    run; 89.2-89.3 / 89.2-89.4 against 88.2-88.3 / 88.5-88.8 in others; benchmarks/results/
+    nvidia_h200_ssu_variants.json). Below half ``_MIN_PROGRAMS`` whole-head programs (a
+    one-row step), half-head tiles."""
     block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
     programs = rows * pl.cdiv(head_dim, block_p) * num_heads
     if programs < _MIN_PROGRAMS // 2 and block_p > 32:
@@ -106,6 +118,8 @@ def default_block_sizes(
     if gated:
         block_p = max(1, min(block_p, 4096 // block_dim(state_dim)))
         return BlockSizes(block_p=block_p, block_h=block_h, num_warps=8, num_stages=2)
+    if block_h >= _UNROLLED_HEADS:
+        return BlockSizes(block_p=block_p, block_h=_UNROLLED_HEADS, num_warps=16, unroll_heads=True)
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
 
 
@@ -131,6 +145,7 @@ def _kernel(
     dt_limit: tuple[float, float],
     block_p: int,
     block_h: int,
+    unroll_heads: bool,
     A_is_log: bool,
 ):
     del cache_in_ref  # the same buffer as cache_ref
@@ -157,35 +172,67 @@ def _kernel(
         n_live = jnp.arange(bn) < state_dim
         return h, p_live, p_live[:, None] & n_live[None, :]
 
-    def advance(i, carry):
+    n_live = None if exact_tile else jnp.arange(bn) < state_dim
+    D_per_head = D_ref is not None and len(D_ref.shape) == 1
+
+    def step_scalars(dt, bias, A):
+        """(dt', decay) of a head, or of a block's heads as vectors."""
+        dt = process_dt(dt.astype(jnp.float32), bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        return dt, decay_factor(dt * (-jnp.exp(A) if A_is_log else A))
+
+    def group_inputs(g):
+        """The row's B[bn] and C[bn] of group ``g``, fp32."""
+        B = masked_load(B_ref.at[r, pl.ds(columns.B + g * state_dim, bn)], n_live)
+        C = masked_load(C_ref.at[r, pl.ds(columns.C + g * state_dim, bn)], n_live)
+        return B.astype(jnp.float32), C.astype(jnp.float32)
+
+    def head_scalars(i, h):
+        """(dt', decay, D or None) of head ``h``, the block's ``i``-th, each loaded alone."""
+        bias = None if dt_bias_ref is None else dt_bias_ref[h]
+        dt, decay = step_scalars(dt_ref[r, columns.dt + h], bias, A_ref[h])
+        return dt, decay, D_ref[h] if D_per_head else None
+
+    def block_scalars():
+        """head_scalars of the unrolled path: every head's of the block computed at once as
+        ``[block_h]`` vectors before the heads' state tiles are touched; the ``i``-th
+        picked by a masked sum (a static index into a vector does not lower)."""
+        lanes = jnp.arange(block_h)
+        # Clamped like masks(): a last block running past H repeats head H - 1's scalars
+        # for heads whose tiles masks() leaves alone.
+        heads = jnp.minimum(hb * block_h + lanes, num_heads - 1)
+        bias = None if dt_bias_ref is None else plgpu.load(dt_bias_ref.at[heads])
+        dt = plgpu.load(dt_ref.at[r, columns.dt + heads])
+        dts, decays = step_scalars(dt, bias, plgpu.load(A_ref.at[heads]))
+        Ds = plgpu.load(D_ref.at[heads]) if D_per_head else None
+
+        def pick(i, h):
+            del h
+            one = lanes == i
+            return tuple(None if v is None else jnp.sum(jnp.where(one, v, 0.0)) for v in
+                         (dts, decays, Ds))  # fmt: skip
+
+        return pick
+
+    # B and C once a program where its heads share a group (the unrolled path only: in the
+    # pipelined loop it moved nothing, nvidia_h200_ssu_variants.json).
+    shared_group = unroll_heads and heads_per_group % block_h == 0
+
+    def advance(i, carry, scalars=head_scalars, shared=None):
         h, p_live, tile = masks(hb * block_h + i)
-        g = h // heads_per_group
         cache_tile = cache_ref.at[slot, h, pl.ds(p0, bp), pl.ds(static_index(0), bn)]
         x_cols = pl.ds(columns.x + h * head_dim + p0, bp)
         # evict_last: the tile is written back right after, to the same lines.
         state = plgpu.load(
             cache_tile, mask=tile, other=None if tile is None else 0.0, eviction_policy="evict_last"
         ).astype(jnp.float32)
-        bias = None if dt_bias_ref is None else dt_bias_ref[h]
-        dt = process_dt(
-            dt_ref[r, columns.dt + h].astype(jnp.float32),
-            bias,
-            dt_softplus=dt_softplus,
-            dt_limit=dt_limit,
-        )
-        A = -jnp.exp(A_ref[h]) if A_is_log else A_ref[h]
-        decay = decay_factor(dt * A)
+        dt, decay, D_h = scalars(i, h)
         x = masked_load(x_ref.at[r, x_cols], p_live).astype(jnp.float32)
-        n_live = None if exact_tile else jnp.arange(bn) < state_dim
-        B_cols = pl.ds(columns.B + g * state_dim, bn)
-        C_cols = pl.ds(columns.C + g * state_dim, bn)
-        B = masked_load(B_ref.at[r, B_cols], n_live).astype(jnp.float32)
-        C = masked_load(C_ref.at[r, C_cols], n_live).astype(jnp.float32)
+        B, C = group_inputs(h // heads_per_group) if shared is None else shared
         state = decay * state + (dt * x)[:, None] * B[None, :]
         plgpu.store(cache_tile, state.astype(cache_ref.dtype), mask=tile)
         y = jnp.sum(state * C[None, :], axis=1)
-        if D_ref is not None and len(D_ref.shape) == 1:
-            y = y + D_ref[h] * x
+        if D_per_head:
+            y = y + D_h * x
         elif D_ref is not None:
             y = y + masked_load(D_ref.at[h, pl.ds(p0, bp)], p_live) * x
         if z_ref is not None:
@@ -202,10 +249,19 @@ def _kernel(
     def heads(body):
         if block_h == 1:
             body(0, None)
+        elif unroll_heads:
+            for i in range(block_h):
+                body(i, None)
         else:
             jax.lax.fori_loop(0, block_h, body, None)
 
-    pl.when(slot >= 0)(lambda: heads(advance))
+    def advance_heads():
+        if not unroll_heads:
+            return heads(advance)
+        shared = group_inputs(hb * block_h // heads_per_group) if shared_group else None
+        return heads(functools.partial(advance, scalars=block_scalars(), shared=shared))
+
+    pl.when(slot >= 0)(advance_heads)
     pl.when(slot < 0)(lambda: heads(zero))
 
 
@@ -352,6 +408,7 @@ def state_update_rows(
             dt_limit=dt_limit,
             block_p=block_p,
             block_h=blocks.block_h,
+            unroll_heads=blocks.unroll_heads,
             A_is_log=A_is_log,
         ),
         grid=(rows, pl.cdiv(H, blocks.block_h), pl.cdiv(P, block_p)),
@@ -362,7 +419,8 @@ def state_update_rows(
         input_output_aliases={cache_index: 1},
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"selective_state_update_bp{block_p}_bh{blocks.block_h}",
+        name=f"selective_state_update_bp{block_p}_bh{blocks.block_h}"
+        + ("_unrolled" if blocks.unroll_heads else ""),
     )(*args)
 
 

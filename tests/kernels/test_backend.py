@@ -480,6 +480,16 @@ def test_block_sizes_refuse_fields_that_are_not_ints(config_type):
             config_type(**{field: bad})
 
 
+def test_block_sizes_bool_fields_refuse_ints():
+    """A field declared ``bool`` (the state update's ``unroll_heads``) takes only bools."""
+    from pallas_kernels.state_update import triton as state_update_triton
+
+    assert state_update_triton.BlockSizes(unroll_heads=True).unroll_heads
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="unroll_heads=.* must be a bool"):
+            state_update_triton.BlockSizes(unroll_heads=bad)
+
+
 @cpu_only
 def test_static_int_arguments_refuse_floats():
     """``sliding_window`` and ``group_size`` are whole numbers: 2.5 was truncated to 2 and

@@ -133,7 +133,7 @@ def _lower_ssd(
     "cache_dtype, R", [(jnp.float32, 4), (jnp.bfloat16, 4), (jnp.float32, 256)]
 )
 def test_state_update_lowers(cache_dtype, R):
-    """One head per program, and (256 rows) 16 heads per program in a pipelined loop.
+    """One head per program, and (256 rows) 4 heads per program unrolled.
     ``D[H]`` reaches the kernel as it is (a scalar per head): no ``[H, P]`` broadcast before
     the custom call, which was one more launch per decode step of every Mamba layer."""
     S, H, P, N, G = 8, 128, 64, 128, 2
@@ -156,7 +156,7 @@ def test_state_update_lowers(cache_dtype, R):
         )
 
     config = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
-    assert config.block_h == (16 if R == 256 else 1)
+    assert (config.block_h, config.unroll_heads) == ((4, True) if R == 256 else (1, False))
 
     text = lower_for_cuda(
         fn,
@@ -169,7 +169,8 @@ def test_state_update_lowers(cache_dtype, R):
         spec((R,), jnp.int32),
         spec((H,), jnp.float32),
     )
-    assert f"selective_state_update_bp64_bh{config.block_h}" in text
+    unrolled = "_unrolled" if config.unroll_heads else ""
+    assert f"selective_state_update_bp64_bh{config.block_h}{unrolled}" in text
     assert f"tensor<{H}x{P}xf32>" not in text, "D was broadcast to [H, P]"
 
 

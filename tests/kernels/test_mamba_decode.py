@@ -276,11 +276,13 @@ def test_gpu_real_sizes(rows, groups, norm, gate):
     check(arrays, slots, out, groups=groups, rtol=BF16_TOL, **options)
 
 
-def test_config_sets_each_kernels_tiling():
+@pytest.mark.parametrize("unroll_heads", [False, True])
+def test_config_sets_each_kernels_tiling(unroll_heads):
     """``config=`` (DESIGN.md §8) reaches the three kernels: tilings other than their
-    defaults (several heads and half the head dim a state-update program, 2-row norm
-    programs, 8-channel conv blocks) give the oracles' results and show in the kernels'
-    names; a config of another type, or with a field of another kernel's type, is refused."""
+    defaults (several heads and half the head dim a state-update program, looped or
+    unrolled, 2-row norm programs, 8-channel conv blocks) give the oracles' results and show
+    in the kernels' names; a config of another type, or with a field of another kernel's
+    type, is refused."""
     from pallas_kernels.conv1d import triton as conv_triton
     from pallas_kernels.mamba_decode import triton as mamba_decode_triton
     from pallas_kernels.norm import triton as norm_triton
@@ -290,13 +292,16 @@ def test_config_sets_each_kernels_tiling():
     slots = [4, -1, 1]
     config = mamba_decode_triton.BlockSizes(
         conv=conv_triton.BlockSizes(block_t=4, unroll_t=4, block_d=8, num_warps=1),
-        state_update=state_update_triton.BlockSizes(block_p=4, block_h=2, num_warps=1),
+        state_update=state_update_triton.BlockSizes(
+            block_p=4, block_h=2, num_warps=1, unroll_heads=unroll_heads
+        ),
         norm=norm_triton.BlockSizes(block_rows=2, num_warps=1),
     )
     out = run("triton", arrays, slots, config=config, **options)
     check(arrays, slots, out, groups=2, rtol=F32_TOL, **options)
     jaxpr = str(jax.make_jaxpr(lambda a: run("triton", a, slots, config=config, **options))(arrays))
-    for kernel in ("causal_conv1d_update_k4_bd8", "selective_state_update_bp4_bh2", "rows2"):
+    state_update = "selective_state_update_bp4_bh2" + ("_unrolled" if unroll_heads else "")
+    for kernel in ("causal_conv1d_update_k4_bd8", state_update, "rows2"):
         assert kernel in jaxpr, f"{kernel} not among the step's kernels"
     with pytest.raises(ValueError, match="config of type"):
         run("triton", arrays, slots, config=state_update_triton.BlockSizes(), **options)

@@ -94,15 +94,22 @@ def test_matches_oracle(impl, groups, d_shape):
     check_step(arrays, slots, y, cache, options, F32_TOL)
 
 
-@pytest.mark.parametrize("block_h, num_stages", [(4, 2), (8, 1)])
-def test_heads_per_program(block_h, num_stages):
+@pytest.mark.parametrize(
+    "block_h, num_stages, unroll_heads, d_shape",
+    [(4, 2, False, "HP"), (8, 1, False, "HP"), (4, 1, True, "H"), (2, 1, True, "H")],
+)
+def test_heads_per_program(block_h, num_stages, unroll_heads, d_shape):
     """Several heads per program (a loop; 6 heads, so the last block of 4 runs past H and
-    one block of 8 covers them all), padding rows and poisoned unnamed slots."""
+    one block of 8 covers them all), padding rows and poisoned unnamed slots. Unrolled,
+    the block's per-head scalars come from vectors (4 heads: past H, and across groups of
+    2 heads; 2 heads: one group, whose B and C are loaded once)."""
     arrays, options = make_step(5, heads=6, groups=3, seed=7)
+    if d_shape == "H":
+        options["D"] = options["D"][:, 0]
     slots = [3, -1, 0, 5, 2]
     arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
     config = state_update_triton.BlockSizes(
-        block_p=2, block_h=block_h, num_warps=4, num_stages=num_stages
+        block_p=2, block_h=block_h, num_warps=4, num_stages=num_stages, unroll_heads=unroll_heads
     )
     y, cache = call("triton", arrays, slots, config=config, **options)
     check_step(arrays, slots, y, cache, options, F32_TOL)
@@ -258,7 +265,10 @@ def test_validate_rejects_bad_slots():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64, 256])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_real_sizes(rows, cache_dtype):
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_real_sizes(rows, cache_dtype, gated):
+    """Bamba-9B-sized heads with 8 groups; without z, 64 and 256 rows run the default
+    tiling's unrolled heads."""
     arrays, options = make_step(
         rows,
         slots=2 * rows + 1,
@@ -270,6 +280,8 @@ def test_gpu_real_sizes(rows, cache_dtype):
         cache_dtype=cache_dtype,
         seed=rows,
     )
+    if not gated:
+        options.pop("z")
     slots = np.random.default_rng(rows).permutation(2 * rows + 1)[:rows]
     slots[::7] = -1
     arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
