@@ -51,7 +51,8 @@ def in_place_pass(
     interpret: bool,
 ) -> jax.Array:
     """One pass over the named states of ``cache[S, H, P, N]`` in place, on the state
-    update's grid (row, block of heads, head-dim block) and loop over heads: each tile
+    update's grid (row, block of heads, head-dim block) and loop over heads (unrolled where
+    the tiling says so): each tile
     scaled by 0.999 (``advance=False``) or advanced one token (G = 1). Rows need real
     slots (no padding), and the tiling must divide H and P."""
     rows = slot_ids.shape[0]
@@ -80,7 +81,11 @@ def in_place_pass(
             plgpu.store(tile, state)
             return carry
 
-        jax.lax.fori_loop(0, bh, head, None)
+        if config.unroll_heads:  # as the state update runs its heads under this tiling
+            for i in range(bh):
+                head(i, None)
+        else:
+            jax.lax.fori_loop(0, bh, head, None)
 
     return pl.pallas_call(
         kernel,
