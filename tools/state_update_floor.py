@@ -52,9 +52,8 @@ def in_place_pass(
 ) -> jax.Array:
     """One pass over the named states of ``cache[S, H, P, N]`` in place, on the state
     update's grid (row, block of heads, head-dim block) and loop over heads (unrolled where
-    the tiling says so): each tile
-    scaled by 0.999 (``advance=False``) or advanced one token (G = 1). Rows need real
-    slots (no padding), and the tiling must divide H and P."""
+    the tiling says so): each tile scaled by 0.999 (``advance=False``) or advanced one token
+    (G = 1). Rows need real slots (no padding), and the tiling must divide H and P."""
     rows = slot_ids.shape[0]
     H, P, N = cache.shape[1:]
     bh, bp = config.block_h, config.block_p

@@ -8,9 +8,9 @@ B``), write it back in place (the cache is aliased input → output), and reduce
 SM than one head per program: software-pipelined (the next head's state loads while this
 one's is reduced and stored), or unrolled after the block's dt', decays and D are computed
 as vectors (``BlockSizes.unroll_heads``, the default with many rows), so that nothing
-stands between the heads' state loads. Rows whose slot is ``-1`` read and write nothing and produce
-zeros. Memory-bound: each named state is read once and written once, fp32 or bf16, with
-fp32 arithmetic.
+stands between the heads' state loads. Rows whose slot is ``-1`` read and write nothing
+and produce zeros. Memory-bound: each named state is read once and written once, fp32 or
+bf16, with fp32 arithmetic.
 
 The kernel reads its per-row inputs as ``[Bd, width]`` row arrays at column offsets
 (:class:`Columns`): the op passes x, dt, B, C and z flattened, each at column 0; the fused
