@@ -71,7 +71,7 @@ from flax_models.serving.sampling import (
     sampler_flags,
     sampling_arrays,
 )
-from flax_models.sharding import DP, cache_specs, dp_size
+from flax_models.sharding import DP, cache_specs, dp_size, step_compiler_options
 
 __all__ = ["DEFAULT_TOKEN_BUCKET_POLICY", "Engine", "TokenEvent", "sample_tokens"]
 
@@ -363,6 +363,9 @@ class Engine:
         self.stats.update(prefix_hit_tokens=0, prefix_hits=0, prefix_misses=0)
         self.step_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
         self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1, 2))
+        # The steps that XLA compiles with options of their own (``step_compiler_options``),
+        # one jit per set of options; every bucket still compiles once, in one of them.
+        self._tuned: dict[tuple, Callable] = {}
         # The step takes the argmax of its logits (a greedy step launches nothing else: a
         # program launch and, under tp, a rendezvous of the devices' launch threads less).
         # Drawing is a program of its own, picked on the host: whether a step's rows draw
@@ -539,7 +542,7 @@ class Engine:
                 snapshots = self._snapshot_plan(arrays, [], [])[0]
         draws, restricts = sampler_flags(sampling, self.cfg.vocab_size)
         try:
-            logits, self.caches, tokens, self._slot_tokens = self._jitted(
+            logits, self.caches, tokens, self._slot_tokens = self._program(arrays)(
                 self._param_leaves,
                 self.caches,
                 self._slot_tokens,
@@ -558,6 +561,22 @@ class Engine:
             self._recover_caches()
             raise
         return logits, tokens
+
+    def _program(self, arrays: StepArrays) -> Callable:
+        """The jitted step for ``arrays``: the plain one, or one compiled with the XLA
+        options of its rows a device (``step_compiler_options``)."""
+        options = step_compiler_options(self._mesh, arrays.tokens.shape[0] // arrays.groups)
+        if not options:
+            return self._jitted
+        key = tuple(sorted(options.items()))
+        if key not in self._tuned:
+            self._tuned[key] = jax.jit(
+                self._step,
+                static_argnames=("num_decode",),
+                donate_argnums=(1, 2),
+                compiler_options=options,
+            )
+        return self._tuned[key]
 
     def _launch_sampler(
         self,

@@ -151,6 +151,29 @@ def kernel_mesh(mesh: Mesh | None) -> bool:
     return alone and bool(np.array_equal(ids, np.arange(ids.size)))
 
 
+# Rows a device (first and last) of the tp steps that are compiled with XLA's split-K
+# rewrite off. At these rows XLA's GEMM autotuner splits the row-parallel products
+# (out_proj, o_proj, down: K the device's share, N the full width) over their contraction
+# in two, and then sums the halves in a reduce pass of its own, which its timing leaves
+# out. With that split forced off, Bamba-9B's tp = 2 decode step took 16.13 and 15.94 ms at
+# 256 rows, against 16.47 and 16.30, and 7.33 ms at 64 rows, against 7.80. At one row it
+# took 4.46 ms against 4.24: there the split spreads a product that only reads its weights
+# over more SMs. (Two H200s, 2026-11-29, benchmarks/results/nvidia_h200x2_tp_unsplit_k.json.)
+# Larger steps were not measured either way, so the window is the rows that were.
+UNSPLIT_K_ROWS = (64, 256)
+
+
+def step_compiler_options(mesh: Mesh | None, rows: int) -> dict[str, Any]:
+    """XLA options for an engine step over ``mesh`` whose products have ``rows`` rows a
+    device: ``xla_gpu_experimental_force_split_k = 1`` (no split-K rewrite) for tp > 1
+    within ``UNSPLIT_K_ROWS``, none elsewhere. On a CPU the option is accepted and changes
+    nothing."""
+    low, high = UNSPLIT_K_ROWS
+    if tp_size(mesh) > 1 and low <= rows <= high:
+        return {"xla_gpu_experimental_force_split_k": 1}
+    return {}
+
+
 def _local_copies(total: int, tp: int) -> int:
     """Per device: total / tp when tp divides it, else 1 (a copy of the one it needs)."""
     return total // tp if total % tp == 0 else 1

@@ -28,6 +28,7 @@ from flax_models.sharding import (
     local_config,
     param_spec,
     split_groups,
+    step_compiler_options,
     tp_layout,
     tp_size,
     with_tp_axis,
@@ -54,6 +55,7 @@ def lap(what):
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from flax_models import Engine, HybridConfig, HybridLM, load_hf_checkpoint
+from flax_models.batching import Request
 
 cases = json.loads(sys.argv[1])
 devices = jax.devices()
@@ -157,6 +159,14 @@ out["compiles"] = [compiled, engine.compile_count]
 # (pages and Mamba snapshots sharded like the caches) and give the same tokens.
 cached = Engine(sharded, **options, prefix_caching=True)  # blocks of one chunk (16)
 out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit_tokens"]]
+# Steps of 64-256 rows a device at tp > 1 take the program compiled with XLA's split-K
+# rewrite off (step_compiler_options); a one-row step the plain one.
+wide = Engine(sharded, max_slots=64, max_len=40, token_budget=64, decode_buckets=(1, 64))
+out["plain_program"] = [
+    wide._program(wide.builder.build([Request(s, [3], 5) for s in range(rows)], []))
+    is wide._jitted
+    for rows in (1, 64)
+]
 lap("engine")
 
 # A prefill step and a decode step at tp = 2: Bamba's one norm group spans both devices
@@ -164,7 +174,6 @@ lap("engine")
 # in_proj's packed rows without the norm and ungated, and completes gate and norm around
 # out_proj's all-reduce. The steps' logits are the single device's (which runs the fused
 # steps with the norm).
-from flax_models.batching import Request
 from flax_models.layers import mamba2
 fused_calls = []
 real_ops = {op: getattr(mamba2.pk, op) for op in ("mamba2_decode", "mamba2_prefill")}
@@ -206,7 +215,6 @@ out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 # own cache: the second [7] * 20 hits). The plain forward runs replicated over dp.
 import re
 from jax.sharding import Mesh
-from flax_models.batching import Request
 from tests.models.test_engine import program_count
 
 # Where each collective of the compiled decode step of all the engine's slots reduces or
@@ -415,6 +423,7 @@ def test_engine_generates_the_single_device_tokens(results):
     assert sharded == single == again
     first, second = results["compiles"]
     assert second == first  # the second generation compiled nothing
+    assert results["plain_program"] == [True, False]  # 1 row plain, 64 rows split-K off
 
 
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1_norm"])
@@ -528,6 +537,18 @@ def test_dp_meshes_and_specs():
     # The loader accepts it as the model does (the specs name "tp": one of size 1).
     loaded = load_hf_checkpoint(REPO_ROOT / "tests/fixtures/bamba", mesh=dp_only)
     assert loaded.mesh.axis_names == ("dp", "tp")
+
+
+def test_step_compiler_options_turn_split_k_off_where_measured():
+    """XLA's split-K rewrite is off for tp > 1 steps of 64-256 rows a device, on elsewhere:
+    at one row it made the tp = 2 step faster, and tp = 1 lost without it."""
+    off = {"xla_gpu_experimental_force_split_k": 1}
+    device = jax.devices()[0]
+    tp2 = jax.sharding.Mesh(np.array([device, device]), ("tp",))  # only its shape is read
+    dp2 = jax.sharding.Mesh(np.array([device, device]), ("dp",))
+    chosen = [step_compiler_options(tp2, rows) for rows in (1, 63, 64, 256, 257)]
+    assert chosen == [{}, {}, off, off, {}]
+    assert step_compiler_options(None, 256) == step_compiler_options(dp2, 256) == {}
 
 
 def test_grouped_step_layout():
