@@ -157,9 +157,10 @@ def kernel_mesh(mesh: Mesh | None) -> bool:
 # in two, and then sums the halves in a reduce pass of its own, which its timing leaves
 # out. With that split forced off, Bamba-9B's tp = 2 decode step took 16.13 and 15.94 ms at
 # 256 rows, against 16.47 and 16.30, and 7.33 ms at 64 rows, against 7.80. At one row it
-# took 4.46 ms against 4.24: there the split spreads a product that only reads its weights
-# over more SMs. (Two H200s, 2026-11-29, benchmarks/results/nvidia_h200x2_tp_unsplit_k.json.)
-# Larger steps were not measured either way, so the window is the rows that were.
+# took 4.46 ms against 4.24, presumably because there the split spreads a product that
+# only reads its weights over more SMs. (Two H200s, 2026-11-29,
+# benchmarks/results/nvidia_h200x2_tp_unsplit_k.json.) Steps of 2-63 and of more than 256
+# rows were not measured either way, so the window is the rows that were.
 UNSPLIT_K_ROWS = (64, 256)
 
 
