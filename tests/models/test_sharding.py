@@ -540,8 +540,8 @@ def test_dp_meshes_and_specs():
 
 
 def test_step_compiler_options_turn_split_k_off_where_measured():
-    """XLA's split-K rewrite is off for tp > 1 steps of 64-256 rows a device, on elsewhere:
-    at one row it made the tp = 2 step faster, and tp = 1 lost without it."""
+    """XLA's split-K rewrite is off for tp > 1 steps of 64-256 rows a device and on
+    elsewhere: with the split, the one-row tp = 2 step was faster, and so was tp = 1."""
     off = {"xla_gpu_experimental_force_split_k": 1}
     device = jax.devices()[0]
     tp2 = jax.sharding.Mesh(np.array([device, device]), ("tp",))  # only its shape is read
