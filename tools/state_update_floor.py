@@ -80,11 +80,7 @@ def in_place_pass(
             plgpu.store(tile, state)
             return carry
 
-        if config.unroll_heads:  # as the state update runs its heads under this tiling
-            for i in range(bh):
-                head(i, None)
-        else:
-            jax.lax.fori_loop(0, bh, head, None)
+        state_update_triton.for_each_head(bh, config.unroll_heads, head)  # as the kernel
 
     return pl.pallas_call(
         kernel,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,19 @@ def default_block_sizes(
     if block_h >= _UNROLLED_HEADS:
         return BlockSizes(block_p=block_p, block_h=_UNROLLED_HEADS, num_warps=16, unroll_heads=True)
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
+
+
+def for_each_head(block_h: int, unroll: bool, body: Callable[[int, None], object]) -> None:
+    """``body(i, None)`` for the ``block_h`` heads of a program: a static (unrolled) loop
+    under ``unroll``, else one ``fori_loop``, which the compiler pipelines; one head needs
+    neither. Shared with ``tools/state_update_floor.py``, whose passes loop as the kernel."""
+    if block_h == 1:
+        body(0, None)
+    elif unroll:
+        for i in range(block_h):
+            body(i, None)
+    else:
+        jax.lax.fori_loop(0, block_h, body, None)
 
 
 def _kernel(
@@ -247,13 +261,7 @@ def _kernel(
         return carry
 
     def heads(body):
-        if block_h == 1:
-            body(0, None)
-        elif unroll_heads:
-            for i in range(block_h):
-                body(i, None)
-        else:
-            jax.lax.fori_loop(0, block_h, body, None)
+        for_each_head(block_h, unroll_heads, body)
 
     def advance_heads():
         if not unroll_heads:
