@@ -208,9 +208,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
     for p in prefill_problems(args.quick):
-        rows += bench_prefill(p, ceilings)
+        if harness.selected(p.name, args.only):
+            rows += bench_prefill(p, ceilings)
     for p in decode_problems(args.quick):
-        rows += bench_decode(p, ceilings)
+        if harness.selected(p.name, args.only):
+            rows += bench_decode(p, ceilings)
     harness.add_speedups(rows)
     harness.report("ssd_scan / selective_state_update", rows, ceilings, args.out)
     return rows

@@ -12,10 +12,11 @@ the Bamba-9B state shape (H 128, P 64, N 128, G 1, fp32 states in a slot-indexed
 - ``state update`` and ``state update, z``: ``pk.selective_state_update`` itself on the
   Triton kernel with its default tiling, without and with the z gate.
 
-The bytes of a row are the states read and written (plus, for the op, its inputs and y).
-On the H200 (2026-11-27): copy-back 93-94.5%, advance 91-92%, the op 88% (z 87%): what the
-op loses beyond the floor is mostly the reduction for y. ``--quick`` runs tiny shapes in
-interpret mode (a CPU check of the script, not a measurement).
+The bytes of a row are the states read and written (plus, for the op, its inputs and y). On
+the H200 (2026-11-27): copy-back 93-94.5%, advance 91-92%, the op 88% (z 87%): what the op
+loses beyond the floor is mostly the reduction for y. With the row slowest in the launch
+(2026-11-29, 64 rows): copy-back 95.6%, advance 95.2%, the op 90.8% (z 87.6%). ``--quick``
+runs tiny shapes in interpret mode (a CPU check of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def in_place_pass(
 
     def kernel(slot_ref, x_ref, dt_ref, A_ref, B_ref, cache_in_ref, cache_ref):
         del cache_in_ref  # aliased to cache_ref
-        r, hb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        r, hb, pb = state_update_triton.program_indices()  # as the kernel
         slot, p0 = slot_ref[r], pb * bp
 
         def head(i, carry):
@@ -84,7 +85,7 @@ def in_place_pass(
 
     return pl.pallas_call(
         kernel,
-        grid=(rows, H // bh, P // bp),
+        grid=state_update_triton.launch_grid(rows, H, P, config),
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
         input_output_aliases={5: 0},
         compiler_params=compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),

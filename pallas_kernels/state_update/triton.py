@@ -1,16 +1,16 @@
 """Decode SSM step as a Pallas kernel lowered through Triton.
 
-One program per (row, block of heads, head-dim block): for each of its heads, gather the
-row's state tile from its cache slot, advance it one token (``s ← exp(dt' A) s + dt' x ⊗
-B``), write it back in place (the cache is aliased input → output), and reduce ``y = s · C
-+ D x`` with the z gate. dt and A are scalars per head (Mamba2), so the decay is one
-``exp`` per head. The heads of a program are a loop, which keeps more bytes in flight per
-SM than one head per program: software-pipelined (the next head's state loads while this
-one's is reduced and stored), or unrolled after the block's dt', decays and D are computed
-as vectors (``BlockSizes.unroll_heads``, the default with many rows), so that nothing
-stands between the heads' state loads. Rows whose slot is ``-1`` read and write nothing
-and produce zeros. Memory-bound: each named state is read once and written once, fp32 or
-bf16, with fp32 arithmetic.
+One program per (row, block of heads, head-dim block), the row slowest in the launch order
+(:func:`launch_grid`): for each of its heads, gather the row's state tile from its cache
+slot, advance it one token (``s ← exp(dt' A) s + dt' x ⊗ B``), write it back in place (the
+cache is aliased input → output), and reduce ``y = s · C + D x`` with the z gate. dt and A
+are scalars per head (Mamba2), so the decay is one ``exp`` per head. The heads of a program
+are a loop, which keeps more bytes in flight per SM than one head per program: software-
+pipelined (the next head's state loads while this one's is reduced and stored), or unrolled
+after the block's dt', decays and D are computed as vectors (``BlockSizes.unroll_heads``,
+the default with many rows), so that nothing stands between the heads' state loads. Rows
+whose slot is ``-1`` read and write nothing and produce zeros. Memory-bound: each named
+state is read once and written once, fp32 or bf16, with fp32 arithmetic.
 
 The kernel reads its per-row inputs as ``[Bd, width]`` row arrays at column offsets
 (:class:`Columns`): the op passes x, dt, B, C and z flattened, each at column 0; the fused
@@ -101,8 +101,11 @@ def default_block_sizes(
     the loop would take 4 heads or more, 4 heads unrolled at 16 warps instead: 89.3 / 89.3%
     of copy at 64 / 256 rows against the 16-head loop's 86.9 / 87.3% (H200, 2026-11-28, same
     run; 89.2-89.3 / 89.2-89.4 against 88.2-88.3 / 88.5-88.8 in others; benchmarks/results/
-    nvidia_h200_ssu_variants.json). Below half ``_MIN_PROGRAMS`` whole-head programs (a
-    one-row step), half-head tiles."""
+    nvidia_h200_ssu_variants.json). Since the row became the slowest dimension of the launch
+    (:func:`launch_grid`), those 4 heads in half-head tiles at 8 warps: 91.1 / 91.6-92.5%
+    against 89.8-90.4 / 89.8-91.1% for whole heads at 16 warps (H200, 2026-11-29, two
+    processes). Below half ``_MIN_PROGRAMS`` whole-head programs (a one-row step), half-head
+    tiles."""
     block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
     programs = rows * pl.cdiv(head_dim, block_p) * num_heads
     if programs < _MIN_PROGRAMS // 2 and block_p > 32:
@@ -120,8 +123,24 @@ def default_block_sizes(
         block_p = max(1, min(block_p, 4096 // block_dim(state_dim)))
         return BlockSizes(block_p=block_p, block_h=block_h, num_warps=8, num_stages=2)
     if block_h >= _UNROLLED_HEADS:
-        return BlockSizes(block_p=block_p, block_h=_UNROLLED_HEADS, num_warps=16, unroll_heads=True)
+        block_p = max(1, min(block_p, 4096 // block_dim(state_dim)))
+        return BlockSizes(block_p=block_p, block_h=_UNROLLED_HEADS, num_warps=8, unroll_heads=True)
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
+
+
+def launch_grid(rows: int, num_heads: int, head_dim: int, config: BlockSizes) -> tuple[int, ...]:
+    """The grid of the state update: (head-dim block, block of heads, row), the row
+    slowest. Programs launched one after another then take the neighbouring tiles of one
+    slot, so those in flight stream a few slots' contiguous states rather than one tile of
+    each of many: 91.1-92.5% of the copy rate at 64 and 256 rows against 88.8-89.8% with
+    the row fastest, the same tiling (H200, 2026-11-29, two processes; benchmarks/results/
+    nvidia_h200_ssu_variants.json). Shared with ``tools/state_update_floor.py``."""
+    return (pl.cdiv(head_dim, config.block_p), pl.cdiv(num_heads, config.block_h), rows)
+
+
+def program_indices() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(row, block of heads, head-dim block) of this program on :func:`launch_grid`."""
+    return pl.program_id(2), pl.program_id(1), pl.program_id(0)
 
 
 def for_each_head(block_h: int, unroll: bool, body: Callable[[int, None], object]) -> None:
@@ -163,7 +182,7 @@ def _kernel(
     A_is_log: bool,
 ):
     del cache_in_ref  # the same buffer as cache_ref
-    r, hb, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r, hb, pb = program_indices()
     num_heads = y_ref.shape[1]
     bp, bn = block_p, block_dim(state_dim)
     p0 = pb * bp
@@ -419,7 +438,7 @@ def state_update_rows(
             unroll_heads=blocks.unroll_heads,
             A_is_log=A_is_log,
         ),
-        grid=(rows, pl.cdiv(H, blocks.block_h), pl.cdiv(P, block_p)),
+        grid=launch_grid(rows, H, P, blocks),
         out_shape=(
             jax.ShapeDtypeStruct((rows, H, P), x.dtype),
             jax.ShapeDtypeStruct(state_cache.shape, state_cache.dtype),

@@ -170,7 +170,7 @@ def test_state_update_lowers(cache_dtype, R):
         spec((H,), jnp.float32),
     )
     unrolled = "_unrolled" if config.unroll_heads else ""
-    assert f"selective_state_update_bp64_bh{config.block_h}{unrolled}" in text
+    assert f"selective_state_update_bp{config.block_p}_bh{config.block_h}{unrolled}" in text
     assert f"tensor<{H}x{P}xf32>" not in text, "D was broadcast to [H, P]"
 
 
