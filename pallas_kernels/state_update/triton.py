@@ -102,10 +102,12 @@ def default_block_sizes(
     of copy at 64 / 256 rows against the 16-head loop's 86.9 / 87.3% (H200, 2026-11-28, same
     run; 89.2-89.3 / 89.2-89.4 against 88.2-88.3 / 88.5-88.8 in others; benchmarks/results/
     nvidia_h200_ssu_variants.json). Since the row became the slowest dimension of the launch
-    (:func:`launch_grid`), those 4 heads in half-head tiles at 8 warps: 91.1 / 91.6-92.5%
-    against 89.8-90.4 / 89.8-91.1% for whole heads at 16 warps (H200, 2026-11-29, two
-    processes). Below half ``_MIN_PROGRAMS`` whole-head programs (a one-row step), half-head
-    tiles."""
+    (:func:`launch_grid`), those 4 heads in half-head tiles at 8 warps: 91.1-91.4 /
+    91.5-92.5% against 89.8-90.7 / 90.3-91.5% for whole heads at 16 warps (H200, 2026-11-29,
+    two processes); gated, 4 heads unrolled in quarter-head tiles at 4 warps: 90.1 / 90.4%
+    against the 16-head loop's 87.2 / 88.0% (same day, one process). Both keep 16 fp32
+    state elements a thread a head. Below half ``_MIN_PROGRAMS`` whole-head programs (a
+    one-row step), half-head tiles."""
     block_p = max(1, min(block_dim(head_dim), 8192 // block_dim(state_dim)))
     programs = rows * pl.cdiv(head_dim, block_p) * num_heads
     if programs < _MIN_PROGRAMS // 2 and block_p > 32:
@@ -119,12 +121,16 @@ def default_block_sizes(
         block_h *= 2
     if block_h == 1:
         return BlockSizes(block_p=block_p, num_warps=8)
+    if block_h >= _UNROLLED_HEADS:
+        # Gated, quarter-head tiles at 4 warps: half-head ones at 8 ran 88.3 / 89.4%.
+        tile, warps = (2048, 4) if gated else (4096, 8)
+        block_p = max(1, min(block_p, tile // block_dim(state_dim)))
+        return BlockSizes(
+            block_p=block_p, block_h=_UNROLLED_HEADS, num_warps=warps, unroll_heads=True
+        )
     if gated:
         block_p = max(1, min(block_p, 4096 // block_dim(state_dim)))
         return BlockSizes(block_p=block_p, block_h=block_h, num_warps=8, num_stages=2)
-    if block_h >= _UNROLLED_HEADS:
-        block_p = max(1, min(block_p, 4096 // block_dim(state_dim)))
-        return BlockSizes(block_p=block_p, block_h=_UNROLLED_HEADS, num_warps=8, unroll_heads=True)
     return BlockSizes(block_p=block_p, block_h=block_h, num_warps=16, num_stages=2)
 
 
