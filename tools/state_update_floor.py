@@ -15,8 +15,9 @@ the Bamba-9B state shape (H 128, P 64, N 128, G 1, fp32 states in a slot-indexed
 The bytes of a row are the states read and written (plus, for the op, its inputs and y). On
 the H200 (2026-11-27): copy-back 93-94.5%, advance 91-92%, the op 88% (z 87%): what the op
 loses beyond the floor is mostly the reduction for y. With the row slowest in the launch
-(2026-11-29, 64 rows): copy-back 95.6%, advance 95.2%, the op 90.8% (z 87.6%). ``--quick``
-runs tiny shapes in interpret mode (a CPU check of the script, not a measurement).
+(2026-11-29, 64 rows): copy-back 95.6%, advance 95.2%, the op 90.8% (z 87.6%, on the gated
+tiling before its heads were unrolled). ``--quick`` runs tiny shapes in interpret mode (a CPU
+check of the script, not a measurement).
 """
 
 from __future__ import annotations
