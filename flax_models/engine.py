@@ -48,7 +48,7 @@ import reprlib
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -362,7 +362,7 @@ class Engine:
         )
         self.stats.update(prefix_hit_tokens=0, prefix_hits=0, prefix_misses=0)
         self.step_buckets: collections.Counter[tuple[int, int]] = collections.Counter()
-        self._jitted = jax.jit(self._step, static_argnames=("num_decode",), donate_argnums=(1, 2))
+        self._jitted = self._jit_step()
         # The steps that XLA compiles with options of their own (``step_compiler_options``),
         # one jit per set of options; every bucket still compiles once, in one of them.
         self._tuned: dict[tuple, Callable] = {}
@@ -570,13 +570,18 @@ class Engine:
             return self._jitted
         key = tuple(sorted(options.items()))
         if key not in self._tuned:
-            self._tuned[key] = jax.jit(
-                self._step,
-                static_argnames=("num_decode",),
-                donate_argnums=(1, 2),
-                compiler_options=options,
-            )
+            self._tuned[key] = self._jit_step(options)
         return self._tuned[key]
+
+    def _jit_step(self, compiler_options: dict[str, Any] | None = None) -> Callable:
+        """``_step`` under ``jax.jit`` (the caches and slot tokens donated), with XLA's
+        ``compiler_options`` if any: every jit of the step is made here alike."""
+        return jax.jit(
+            self._step,
+            static_argnames=("num_decode",),
+            donate_argnums=(1, 2),
+            compiler_options=compiler_options,
+        )
 
     def _launch_sampler(
         self,
