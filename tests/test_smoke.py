@@ -44,6 +44,13 @@ def test_ssd_benchmark_quick(tmp_path):
         assert r["speedup_vs_xla"] > 0
 
 
+def test_ssd_benchmark_runs_only_the_named_problems():
+    """``--only`` names the decode problem: no prefill problem runs (it was ignored)."""
+    (decode,) = ssd_benchmark.decode_problems(quick=True)
+    rows = ssd_benchmark.main(["--quick", "--only", decode.name])
+    assert rows and {r["problem"] for r in rows} == {decode.name}
+
+
 def test_attention_benchmark_quick(tmp_path):
     out = tmp_path / "attention.json"
     rows = attention_benchmark.main(["--quick", "--out", str(out)])
