@@ -1,7 +1,8 @@
 """End-to-end serving benchmark: hybrid models of real shapes (random init, bf16).
 
 ``python -m benchmarks.model [--out results.json] [--quick] [--models NAME ...]
-[--mesh tp=N ...] [--implementations auto xla] [--processes N]``. Models (``HybridConfig`` presets):
+[--mesh tp=N ...] [--implementations auto xla] [--processes N] [--mock-devices N]``.
+Models (``HybridConfig`` presets):
 ``bamba-9b`` (dense: hidden 4096, 32 layers, attention at 9, 18, 27),
 ``nemotron3-nano-30b-a3b`` (MoE: hidden 2688, 52 layers of Mamba2, MoE and attention
 blocks, 128 experts top-6), ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers, 72
@@ -29,6 +30,12 @@ devices' measured ceilings (each device reads its shard of the weights and state
 spans all N processes, each launching only its own GPU's kernels, and a tp=1 row is every
 process running its own copy (the first process's rows are reported, ``processes`` in
 each row says how many ran).
+
+``--mock-devices N`` runs on one GPU as if it were one of N, with JAX's mock GPU topology:
+``jax.devices()`` lists N, the others stand-ins whose collectives do nothing. A tp=N row
+then times one device's share of the step, its all-reduces free, and beside a tp=1 row of
+the same run its ``speedup_vs_tp1`` is the most tp=N can give: the part of a measured tp=N
+step above it is communication. Each such row says ``"collectives": "mocked"``.
 
 The roofline counts *active* parameters: FLOPs use the k of E routed experts each token
 runs; bytes the experts a step reads. For decode steps those are the experts their rows
@@ -392,6 +399,16 @@ def _take_option(argv: list[str], name: str) -> tuple[list[str] | None, list[str
     return argv[at + 1 : end], argv[:at] + argv[end:]
 
 
+def _mock_devices(count: int) -> None:
+    """Before the first device call: this host's one GPU as the first of ``count`` (JAX's
+    mock GPU topology; see the module docstring)."""
+    jax.config.update("jax_mock_gpu_topology", f"1x{count}x1")
+    # A process shares its GEMM autotuning results with the others through the
+    # distributed service, which stand-ins never answer: compilation would wait forever.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_shard_autotuning=false".strip()
+
+
 def _add_tp_speedups(rows: list[dict]) -> None:
     """``speedup_vs_tp1``: a tp=1 row's time over the time of the same case and
     implementation at tp=N."""
@@ -411,6 +428,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     argv = list(sys.argv[1:] if argv is None else argv)
     processes, argv = _take_option(argv, "--processes")
+    mock, argv = _take_option(argv, "--mock-devices")
+    if mock is not None:
+        if len(mock) != 1 or not mock[0].isdigit() or int(mock[0]) < 2:
+            raise SystemExit(f"--mock-devices: expected one count N >= 2, got {mock}")
+        if processes is not None:
+            raise SystemExit("--mock-devices: one process on one GPU, not with --processes")
+        _mock_devices(int(mock[0]))
     if processes is not None and harness.PROCESS_ENV not in os.environ:
         if len(processes) != 1 or not processes[0].isdigit() or int(processes[0]) < 1:
             raise SystemExit(f"--processes: expected one count N >= 1, got {processes}")
@@ -443,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows: list[dict] = []
 
     def record(row: dict) -> None:
+        if mock is not None and row["tp"] > 1:
+            row["collectives"] = "mocked"
+            row["processes"] = 1  # the stand-ins count as processes to JAX
         rows.append(row)
         harness.add_speedups(rows)
         _add_tp_speedups(rows)
@@ -465,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             jax.clear_caches()  # the next model's weights need the memory
             gc.collect()
     print(f"\n## hybrid models ({dtype.__name__})")
+    if mock is not None:
+        print("tp rows: one device's share of the step, its collectives mocked (free)")
     print(
         f"{'case':<48}{'impl':<6}{'median ms':>10}{'tokens/s':>12}{'% roof':>8}"
         f"{'vs xla':>8}{'vs tp1':>8}"

@@ -202,3 +202,40 @@ def test_model_benchmark_under_two_processes(tmp_path, monkeypatch):
         ("tiny@tp2/decode-1x48", 2, 2)
     ]
     assert rows[0]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--mock-devices", "1"], ["--mock-devices"], ["--mock-devices", "2", "--processes", "2"]],
+)
+def test_model_benchmark_rejects_bad_mock_devices(argv):
+    """A count below two, or beside ``--processes``, stops before any device is touched."""
+    with pytest.raises(SystemExit, match="--mock-devices"):
+        model_benchmark.main(["--quick", *argv])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the mock topology is a GPU client's")
+def test_model_benchmark_mock_devices_on_one_gpu(tmp_path):
+    """``--mock-devices 2`` on one GPU: the tp = 2 rows run (collectives mocked) beside the
+    tp = 1 rows of the same run. A subprocess: the topology holds for a whole process."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "model.json"
+    only = ["tiny/decode-1x48", "tiny@tp2/decode-1x48"]
+    argv = ["--quick", "--implementations", "auto", "--mesh", "tp=1", "tp=2"]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.model", *argv, "--mock-devices", "2"]
+        + ["--only", *only, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["problem"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == sorted(only)
+    assert rows["tiny@tp2/decode-1x48"]["collectives"] == "mocked"
+    assert "collectives" not in rows["tiny/decode-1x48"]
+    assert rows["tiny@tp2/decode-1x48"]["speedup_vs_tp1"] > 0
+    assert rows["tiny@tp2/decode-1x48"]["processes"] == 1
