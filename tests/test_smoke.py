@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -219,9 +221,6 @@ def test_model_benchmark_rejects_bad_mock_devices(argv):
 def test_model_benchmark_mock_devices_on_one_gpu(tmp_path):
     """``--mock-devices 2`` on one GPU: the tp = 2 rows run (collectives mocked) beside the
     tp = 1 rows of the same run. A subprocess: the topology holds for a whole process."""
-    import subprocess
-    import sys
-
     out = tmp_path / "model.json"
     only = ["tiny/decode-1x48", "tiny@tp2/decode-1x48"]
     argv = ["--quick", "--implementations", "auto", "--mesh", "tp=1", "tp=2"]
