@@ -399,6 +399,13 @@ def _take_option(argv: list[str], name: str) -> tuple[list[str] | None, list[str
     return argv[at + 1 : end], argv[:at] + argv[end:]
 
 
+def _count(values: list[str], name: str, *, least: int) -> int:
+    """The one count N >= ``least`` that option ``name`` takes."""
+    if len(values) != 1 or not values[0].isdigit() or int(values[0]) < least:
+        raise SystemExit(f"{name}: expected one count N >= {least}, got {values}")
+    return int(values[0])
+
+
 def _mock_devices(count: int) -> None:
     """Before the first device call: this host's one GPU as the first of ``count`` (JAX's
     mock GPU topology; see the module docstring)."""
@@ -430,15 +437,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     processes, argv = _take_option(argv, "--processes")
     mock, argv = _take_option(argv, "--mock-devices")
     if mock is not None:
-        if len(mock) != 1 or not mock[0].isdigit() or int(mock[0]) < 2:
-            raise SystemExit(f"--mock-devices: expected one count N >= 2, got {mock}")
+        count = _count(mock, "--mock-devices", least=2)
         if processes is not None:
             raise SystemExit("--mock-devices: one process on one GPU, not with --processes")
-        _mock_devices(int(mock[0]))
+        _mock_devices(count)
     if processes is not None and harness.PROCESS_ENV not in os.environ:
-        if len(processes) != 1 or not processes[0].isdigit() or int(processes[0]) < 1:
-            raise SystemExit(f"--processes: expected one count N >= 1, got {processes}")
-        raise SystemExit(harness.spawn_processes(int(processes[0]), "benchmarks.model", argv))
+        count = _count(processes, "--processes", least=1)
+        raise SystemExit(harness.spawn_processes(count, "benchmarks.model", argv))
     harness.join_processes()
     # ``--models``, ``--mesh`` and ``--implementations`` are this module's own options;
     # the rest are the harness's.
