@@ -22,8 +22,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from flax_models.config import HybridConfig
+from flax_models.sharding import TP, dp_size, local_config, split_groups, tp_size
 
 
 @jax.tree_util.register_dataclass
@@ -81,8 +83,6 @@ def init_cache(
     ``[num_blocks, block_size, Hkv, D]`` (``max_len`` then bounds nothing here).
     ``num_snapshots > 0``: each Mamba2 layer gets a snapshot pool of that many entries.
     """
-    from flax_models.sharding import cache_specs, dp_size, local_config, tp_size
-
     tp = tp_size(mesh)
     if groups > 1:
         if groups != dp_size(mesh):
@@ -169,3 +169,38 @@ def restore_snapshots(
         return cache
 
     return tuple(layer(cache) for cache in caches)
+
+
+# Caches are split as the mixers' heads: conv channels (tp-major x | B | C), SSM heads, KV
+# heads (copies of one KV head per device when tp > num_kv_heads).
+# Page pools [num_blocks, block_size, Hkv, D] split over Hkv like the slot layout; snapshot
+# pools like the slot states they are copies of.
+MAMBA_CACHE_SPEC = MambaCache(conv_state=P(None, None, TP), ssm_state=P(None, TP))
+MAMBA_SNAPSHOT_CACHE_SPEC = MambaCache(
+    conv_state=P(None, None, TP),
+    ssm_state=P(None, TP),
+    snapshot_conv=P(None, None, TP),
+    snapshot_ssm=P(None, TP),
+)
+ATTENTION_CACHE_SPEC = AttentionCache(k=P(None, None, TP), v=P(None, None, TP))
+
+
+def mamba_cache_spec(cache: MambaCache) -> MambaCache:
+    """The spec tree of one Mamba2 layer's cache, with or without its snapshot pool."""
+    return MAMBA_SNAPSHOT_CACHE_SPEC if cache.has_snapshots else MAMBA_CACHE_SPEC
+
+
+def cache_specs(
+    cfg: HybridConfig, *, snapshots: bool = False, groups: int = 1
+) -> tuple[LayerCache, ...]:
+    """The ``PartitionSpec`` of every cache array, in ``init_cache``'s tree (``snapshots``:
+    the Mamba2 layers carry snapshot pools; ``groups > 1``: the leading axis, slots, pages
+    or snapshot entries, is split over ``"dp"``)."""
+    mamba = MAMBA_SNAPSHOT_CACHE_SPEC if snapshots else MAMBA_CACHE_SPEC
+    specs = {
+        "M": mamba,
+        "*": ATTENTION_CACHE_SPEC,
+        "P": ParallelCache(mamba=mamba, attention=ATTENTION_CACHE_SPEC),
+    }
+    specs = tuple(specs.get(kind) for kind in cfg.layer_pattern)
+    return split_groups(specs) if groups > 1 else specs

@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from flax_models.batch import StateSnapshots, make_forward_batch, make_grouped_forward_batch
 from flax_models.batching import FROM_DEVICE, BatchBuilder, Request, StepArrays
-from flax_models.cache import init_cache, restore_snapshots
+from flax_models.cache import cache_specs, init_cache, restore_snapshots
 from flax_models.model import HybridLM
 from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager, block_keys
 from flax_models.serving.sampling import (
@@ -71,7 +71,7 @@ from flax_models.serving.sampling import (
     sampler_flags,
     sampling_arrays,
 )
-from flax_models.sharding import DP, cache_specs, dp_size, step_compiler_options
+from flax_models.sharding import DP, dp_size, step_compiler_options
 
 __all__ = ["DEFAULT_TOKEN_BUCKET_POLICY", "Engine", "TokenEvent", "sample_tokens"]
 

@@ -56,7 +56,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_models.batch import ForwardBatch
-from flax_models.cache import AttentionCache, LayerCache, MambaCache, ParallelCache
 from flax_models.config import HybridConfig
 from flax_models.lazy_tensors import LazyTensor
 from pallas_kernels.all_reduce import all_reduce
@@ -326,25 +325,6 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
     return P()  # embeddings, norms, routers
 
 
-# Caches are split as the mixers' heads: conv channels (tp-major x | B | C), SSM heads, KV
-# heads (copies of one KV head per device when tp > num_kv_heads).
-# Page pools [num_blocks, block_size, Hkv, D] split over Hkv like the slot layout; snapshot
-# pools like the slot states they are copies of.
-MAMBA_CACHE_SPEC = MambaCache(conv_state=P(None, None, TP), ssm_state=P(None, TP))
-MAMBA_SNAPSHOT_CACHE_SPEC = MambaCache(
-    conv_state=P(None, None, TP),
-    ssm_state=P(None, TP),
-    snapshot_conv=P(None, None, TP),
-    snapshot_ssm=P(None, TP),
-)
-ATTENTION_CACHE_SPEC = AttentionCache(k=P(None, None, TP), v=P(None, None, TP))
-
-
-def mamba_cache_spec(cache: MambaCache) -> MambaCache:
-    """The spec tree of one Mamba2 layer's cache, with or without its snapshot pool."""
-    return MAMBA_SNAPSHOT_CACHE_SPEC if cache.has_snapshots else MAMBA_CACHE_SPEC
-
-
 def split_groups(specs):
     """``specs`` (a ``PartitionSpec`` or a tree of them) with their leading axis split over
     ``"dp"``: ``P()`` → ``P("dp")``, ``P(None, None, "tp")`` → ``P("dp", None, "tp")``. The
@@ -357,22 +337,6 @@ def split_groups(specs):
         return P(DP, *spec[1:])
 
     return jax.tree.map(split, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def cache_specs(
-    cfg: HybridConfig, *, snapshots: bool = False, groups: int = 1
-) -> tuple[LayerCache, ...]:
-    """The ``PartitionSpec`` of every cache array, in ``init_cache``'s tree (``snapshots``:
-    the Mamba2 layers carry snapshot pools; ``groups > 1``: the leading axis, slots, pages
-    or snapshot entries, is split over ``"dp"``)."""
-    mamba = MAMBA_SNAPSHOT_CACHE_SPEC if snapshots else MAMBA_CACHE_SPEC
-    specs = {
-        "M": mamba,
-        "*": ATTENTION_CACHE_SPEC,
-        "P": ParallelCache(mamba=mamba, attention=ATTENTION_CACHE_SPEC),
-    }
-    specs = tuple(specs.get(kind) for kind in cfg.layer_pattern)
-    return split_groups(specs) if groups > 1 else specs
 
 
 def state_shardings(state, mesh: Mesh, prefix: tuple[str, ...] = ()):
@@ -439,3 +403,18 @@ def shard_call(module, body, args, in_specs, out_specs, *, groups: int | None = 
         out_specs=out_specs,
         check_vma=False,
     )(values, *args)
+
+
+def from_tp_layout(path: tuple[str, ...], value: np.ndarray, cfg: HybridConfig, tp: int):
+    """The inverse of :func:`tp_layout`: a whole parameter (NumPy) in the tp-major layout →
+    the single-device layout. Columns copied onto several devices (a group or KV head
+    shared by their heads) are read from their first copy; every copy holds the same
+    values unless something wrote them apart."""
+    rule = _layout_rule(path, cfg) if tp > 1 else None
+    if rule is None:
+        return value
+    name, axis = rule
+    order = _order(cfg, tp, name)
+    first = np.empty(int(order.max()) + 1, np.int64)
+    first[order[::-1]] = np.arange(len(order))[::-1]  # the first position of each column
+    return np.take(value, first, axis=axis)

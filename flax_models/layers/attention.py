@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
+from flax_models.cache import ATTENTION_CACHE_SPEC as CACHE_SPEC
 from flax_models.cache import AttentionCache
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import Linear, linear_kwargs, matmul, scaled
-from flax_models.sharding import ATTENTION_CACHE_SPEC as CACHE_SPEC
 from flax_models.sharding import psum_tp, shard_call
 
 

@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
-from flax_models.cache import MambaCache
+from flax_models.cache import MambaCache, mamba_cache_spec
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import Linear, linear_kwargs, matmul, scaled
-from flax_models.sharding import TP, mamba_cache_spec, psum_tp, shard_call, tp_size
+from flax_models.sharding import TP, psum_tp, shard_call, tp_size
 from pallas_kernels._common import silu
 from pallas_kernels.ssd.api import gather_states, live_rows, scatter_states, write_final_states
 

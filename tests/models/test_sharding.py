@@ -20,9 +20,9 @@ from flax import nnx
 
 from flax_models import HybridConfig, HybridLM, load_hf_checkpoint
 from flax_models.batching import BatchBuilder, Request
+from flax_models.cache import cache_specs
 from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager, block_keys
 from flax_models.sharding import (
-    cache_specs,
     check_tp,
     dp_size,
     local_config,
