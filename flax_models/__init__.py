@@ -7,14 +7,15 @@ variable-length requests of token ids through static-shape buckets, and ``LLM`` 
 """
 
 from flax_models.batch import ForwardBatch, make_forward_batch
-from flax_models.batching import BatchBuilder, Request, StepArrays
 from flax_models.cache import AttentionCache, MambaCache, ParallelCache, init_cache
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.config import HybridConfig
-from flax_models.engine import Engine, TokenEvent
 from flax_models.model import HybridLM, layer_implementation
-from flax_models.serving.llm import LLM, Completion
+from flax_models.save import save_hf_checkpoint
+from flax_models.serving.batching import BatchBuilder, Request, StepArrays
+from flax_models.serving.engine import Engine, TokenEvent
 from flax_models.serving.sampling import SamplingParams, sample_tokens
+from flax_models.serving.text import LLM, Completion
 
 __all__ = [
     "LLM",
@@ -36,4 +37,5 @@ __all__ = [
     "load_hf_checkpoint",
     "make_forward_batch",
     "sample_tokens",
+    "save_hf_checkpoint",
 ]

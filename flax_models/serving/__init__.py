@@ -1,21 +1,25 @@
-"""Serving beyond the engine's step: sampling settings and the device sampler, text in and
-text out (``LLM``), incremental detokenisation, chat templates, and the KV page pool and
-prefix cache (``prefix_cache.BlockManager``).
+"""Serving: the ``Engine`` over token ids, ``LLM`` over text, and the parts they are made of.
 
-``flax_models.engine`` (the jitted step and the scheduler) samples with
-``serving.sampling``; ``serving.llm`` wraps an engine with a Hugging Face tokenizer.
+``engine`` (the facade: construction, ``generate``, ``stream``, ``step``, ``warmup``),
+``scheduler`` (admission, slots, prefix-cache planning, landing a step's tokens), ``plan``
+(the typed ``StepPlan`` between them), ``runner`` (the step programs: jit, device arrays,
+the sampler launch), ``request`` (a request's host-side state), ``outputs`` (token events,
+streams, progress, step statistics), ``inputs`` (argument and prompt checks), ``batching``
+(bucketed step arrays), ``prefix_cache`` (KV pages, block hashes, snapshots), ``sampling``
+(settings and the device sampler), ``text`` (``LLM``), ``detokenize``, ``chat`` (chat
+templates) and ``cli`` (``python -m flax_models.generate``).
 """
 
+from flax_models.serving.engine import Engine, TokenEvent
 from flax_models.serving.sampling import SamplingParams, filter_logits, sample_tokens
+from flax_models.serving.text import LLM, Completion
 
-__all__ = ["LLM", "Completion", "SamplingParams", "filter_logits", "sample_tokens"]
-
-
-def __getattr__(name: str):
-    # LLM imports the engine, which imports serving.sampling: loading it on first use keeps
-    # `import flax_models.engine` free of an import cycle.
-    if name in ("LLM", "Completion"):
-        from flax_models.serving import llm
-
-        return getattr(llm, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "LLM",
+    "Completion",
+    "Engine",
+    "SamplingParams",
+    "TokenEvent",
+    "filter_logits",
+    "sample_tokens",
+]

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from flax_models.serving.llm import LLM
 from flax_models.serving.sampling import SamplingParams
+from flax_models.serving.text import LLM
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

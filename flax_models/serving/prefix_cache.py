@@ -52,19 +52,34 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BlockManager", "GroupedBlockManager", "PrefixHit", "block_keys"]
+__all__ = ["BlockHashes", "BlockManager", "GroupedBlockManager", "PrefixHit"]
 
 
-def block_keys(
-    tokens: Sequence[int], block_size: int, num_blocks: int, keys: list[int] | None = None
-) -> list[int]:
-    """The hash chain of the first ``num_blocks`` full blocks of ``tokens``, extending
-    ``keys`` (the chain of an earlier call over the same tokens) in place."""
-    keys = [] if keys is None else keys
-    for i in range(len(keys), num_blocks):
-        parent = keys[i - 1] if i else None
-        keys.append(hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size]))))
-    return keys
+class BlockHashes:
+    """The hash chain of one token sequence's full blocks, ``key_i = hash((key_{i-1},
+    tokens of block i))``, computed as far as it is asked for and kept: a request holds one
+    from its admission on, and the ``BlockManager`` extends it over the request's tokens
+    (prompt, then generated) whenever a lookup, an admission, a snapshot or a publication
+    needs a deeper key. Indexing gives the keys computed so far."""
+
+    def __init__(self, block_size: int, keys: Sequence[int] = ()):
+        self.block_size = block_size
+        self._keys: list[int] = list(keys)  # a chain computed before, if any
+
+    def extend(self, tokens: Sequence[int], num_blocks: int) -> BlockHashes:
+        """Computes the keys of the first ``num_blocks`` full blocks of ``tokens`` (the same
+        tokens as earlier calls, possibly longer) that are not computed yet."""
+        bs = self.block_size
+        for i in range(len(self._keys), num_blocks):
+            parent = self._keys[i - 1] if i else None
+            self._keys.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return self
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, index):
+        return self._keys[index]
 
 
 @dataclasses.dataclass(eq=False)
@@ -193,19 +208,19 @@ class BlockManager:
 
     # ------------------------------------------------------------------------ sequences
 
-    def lookup(self, tokens: Sequence[int], keys: list[int]) -> tuple[int, int | None]:
+    def lookup(self, tokens: Sequence[int], keys: BlockHashes) -> tuple[int, int | None]:
         """``(blocks, snapshot)`` of the longest usable cached prefix of ``tokens`` (whose
-        chain is ``keys``, at least ``(len(tokens) - 1) // block_size`` long); touches
-        nothing."""
+        chain is ``keys``, extended as far as the lookup needs); touches nothing else."""
         return self._lookup(tokens, keys)[:2]
 
     def _lookup(
-        self, tokens: Sequence[int], keys: list[int]
+        self, tokens: Sequence[int], keys: BlockHashes
     ) -> tuple[int, int | None, list[_Block]]:
         """``lookup``, and the matched blocks of the hit."""
         if not self.prefix_caching:
             return 0, None, []
         bs, best, snapshot, parent = self.block_size, 0, None, None
+        keys.extend(tokens, (len(tokens) - 1) // bs)
         chain: list[_Block] = []
         for i in range((len(tokens) - 1) // bs):
             block = self._blocks.get(keys[i])
@@ -222,13 +237,15 @@ class BlockManager:
         return best, snapshot, chain[:best]
 
     def admit(
-        self, slot: int, tokens: Sequence[int], keys: list[int], max_tokens: int
+        self, slot: int, tokens: Sequence[int], keys: BlockHashes, max_tokens: int
     ) -> PrefixHit | None:
         """Takes slot ``slot`` (empty) for a sequence of prompt ``tokens`` that will hold
         ``max_tokens`` keys: shares the pages of its cached prefix and reserves the rest.
         None (nothing changed) when the pool cannot hold the reservation now."""
         if self._pages[slot]:
             raise ValueError(f"slot {slot} holds pages; release it first")
+        if self.prefix_caching:  # every full prompt block's key: in flight once admitted
+            keys.extend(tokens, len(tokens) // self.block_size)
         hit, snapshot, chain = self._lookup(tokens, keys)
         pages = [block.page for block in chain]
         need = -(-max_tokens // self.block_size) - hit
@@ -308,12 +325,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------------ publishing
 
-    def wants_snapshot(self, keys: list[int], block: int) -> bool:
+    def wants_snapshot(self, tokens: Sequence[int], keys: BlockHashes, block: int) -> bool:
         """Whether the state at the end of ``block`` should be saved: prefix caching of a
         model with Mamba state, and no snapshot of this block cached yet."""
         if not (self.prefix_caching and self.needs_state and self.num_snapshots):
             return False
-        cached = self._blocks.get(keys[block])
+        cached = self._blocks.get(keys.extend(tokens, block + 1)[block])
         return cached is None or cached.snapshot is None
 
     def take_snapshot(self) -> int | None:
@@ -344,7 +361,7 @@ class BlockManager:
         self,
         slot: int,
         tokens: Sequence[int],
-        keys: list[int],
+        keys: BlockHashes,
         blocks: range,
         snapshots: dict[int, int],
     ) -> None:
@@ -354,6 +371,7 @@ class BlockManager:
         matched or published before it; one whose key holds another chain's block (a hash
         collision), or whose parent is unknown or left the cache, is not."""
         bs, chain = self.block_size, self._chains[slot]
+        keys.extend(tokens, blocks.stop)
         for i in blocks:
             snapshot = snapshots.get(i)
             page, key = self._pages[slot][i], keys[i]
@@ -468,7 +486,7 @@ class GroupedBlockManager:
         return manager.slot_pages(local)
 
     def admit(
-        self, slot: int, tokens: Sequence[int], keys: list[int], max_tokens: int
+        self, slot: int, tokens: Sequence[int], keys: BlockHashes, max_tokens: int
     ) -> PrefixHit | None:
         """``BlockManager.admit`` in ``slot``'s group (its prefix cache, its pages)."""
         manager, local = self._of(slot)
@@ -498,7 +516,7 @@ class GroupedBlockManager:
         self,
         slot: int,
         tokens: Sequence[int],
-        keys: list[int],
+        keys: BlockHashes,
         blocks: range,
         snapshots: dict[int, int],
     ) -> None:

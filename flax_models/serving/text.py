@@ -26,9 +26,9 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from flax_models.checkpoint import load_hf_checkpoint
-from flax_models.engine import Engine
 from flax_models.serving import chat as chat_lib
 from flax_models.serving.detokenize import IncrementalDetokenizer
+from flax_models.serving.engine import Engine
 from flax_models.serving.sampling import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]

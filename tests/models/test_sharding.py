@@ -19,9 +19,9 @@ import pytest
 from flax import nnx
 
 from flax_models import HybridConfig, HybridLM, load_hf_checkpoint
-from flax_models.batching import BatchBuilder, Request
 from flax_models.cache import cache_specs
-from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager, block_keys
+from flax_models.serving.batching import BatchBuilder, Request
+from flax_models.serving.prefix_cache import BlockHashes, BlockManager, GroupedBlockManager
 from flax_models.sharding import (
     check_tp,
     dp_size,
@@ -55,7 +55,7 @@ def lap(what):
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from flax_models import Engine, HybridConfig, HybridLM, load_hf_checkpoint
-from flax_models.batching import Request
+from flax_models.serving.batching import Request
 
 cases = json.loads(sys.argv[1])
 devices = jax.devices()
@@ -163,8 +163,8 @@ out["prefix"] = [cached.generate(prompts + prompts, 6), cached.stats["prefix_hit
 # rewrite off (step_compiler_options); a one-row step the plain one.
 wide = Engine(sharded, max_slots=64, max_len=40, token_budget=64, decode_buckets=(1, 64))
 out["plain_program"] = [
-    wide._program(wide.builder.build([Request(s, [3], 5) for s in range(rows)], []))
-    is wide._jitted
+    wide.runner.program(wide.builder.build([Request(s, [3], 5) for s in range(rows)], []))
+    is wide.runner.step_program
     for rows in (1, 64)
 ]
 lap("engine")
@@ -215,7 +215,7 @@ out["cache_spec"] = [str(a) for a in engine.caches[0].ssm_state.sharding.spec]
 # own cache: the second [7] * 20 hits). The plain forward runs replicated over dp.
 import re
 from jax.sharding import Mesh
-from tests.models.test_engine import program_count
+from tests.serving.test_engine import program_count
 
 # Where each collective of the compiled decode step of all the engine's slots reduces or
 # gathers: "within" when every replica group lies inside one slot group (dp index; logical
@@ -240,15 +240,9 @@ def replica_groups(text, num_devices):
 
 def step_collectives(engine, tp):
     arrays = engine.builder.build([Request(s, [3], 5) for s in range(4)], [])
-    restore = snapshots = None
-    if engine.prefix_caching:
-        restore = np.full(len(arrays.slot_ids) - arrays.groups * arrays.num_decode, -1, np.int32)
-        snapshots = engine._snapshot_plan(arrays, [], [])[0]
-    hlo = engine._jitted.lower(
-        engine._param_leaves, engine.caches, engine._slot_tokens, arrays.tokens,
-        arrays.query_start_loc, arrays.num_computed_tokens, arrays.slot_ids,
-        engine._device_tables(), restore, snapshots, num_decode=arrays.num_decode,
-    ).compile().as_text()
+    restore, snapshots = engine.scheduler.direct_step_extras(arrays)
+    args, kwargs = engine.runner.step_arguments(arrays, restore, snapshots)
+    hlo = engine.runner.step_program.lower(*args, **kwargs).compile().as_text()
     found = []
     kinds = "all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
     for line in hlo.splitlines():
@@ -597,7 +591,7 @@ def test_grouped_block_manager_takes_pages_from_the_slots_group():
     ]
     blocks = GroupedBlockManager(groups)
     assert (blocks.num_pages, blocks.num_snapshots) == (6, 4)
-    keys = block_keys([1] * 9, 4, 2)
+    keys = BlockHashes(4)
     assert blocks.admit(3, [1] * 9, keys, 12) is not None  # slot 3: group 1, local slot 1
     blocks.ensure(3, 12)
     assert blocks.slot_pages(3) == [0, 1, 2]  # group 1's own pages, numbered from 0

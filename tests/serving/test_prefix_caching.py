@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_models.batching import Request
 from flax_models.cache import MambaCache, ParallelCache
 from flax_models.config import HybridConfig
-from flax_models.engine import Engine, _Sequence
 from flax_models.model import HybridLM
-from flax_models.serving.prefix_cache import BlockManager, block_keys
+from flax_models.serving.batching import Request
+from flax_models.serving.engine import Engine
+from flax_models.serving.prefix_cache import BlockHashes, BlockManager
+from flax_models.serving.request import SequenceState
 from flax_models.serving.sampling import SamplingParams
 from pallas_kernels.testing import assert_close
-from tests.models.test_engine import backend_compiles, model, program_count, random_prompts
+from tests.serving.test_engine import backend_compiles, model, program_count, random_prompts
 
 # Compiling dominates these tests, so engines are shared (``engine``) and each compiles
 # at most three programs: prefill-only, decode-only and mixed steps. A budget of 12 tokens
@@ -117,7 +118,7 @@ def test_a_small_pool_waits_evicts_and_gives_the_uncached_tokens(monkeypatch):
     with pytest.raises(ValueError, match="token id"):
         small.generate([prompts[0], [m.cfg.vocab_size]], 3)
 
-    real_jitted, calls = small._jitted, []
+    real_jitted, calls = small.runner.step_program, []
 
     def interrupted(*args, **kwargs):
         calls.append(None)
@@ -125,10 +126,10 @@ def test_a_small_pool_waits_evicts_and_gives_the_uncached_tokens(monkeypatch):
             raise KeyboardInterrupt
         return real_jitted(*args, **kwargs)
 
-    monkeypatch.setattr(small, "_jitted", interrupted)
+    monkeypatch.setattr(small.runner, "step_program", interrupted)
     with pytest.raises(KeyboardInterrupt):
         small.generate(prompts, 5)
-    monkeypatch.setattr(small, "_jitted", real_jitted)
+    monkeypatch.setattr(small.runner, "step_program", real_jitted)
     assert small.blocks.num_free_pages == 4
     assert small.generate(prompts, 5) == expected
     assert small.compile_count == steps
@@ -173,7 +174,7 @@ def test_snapshots_are_the_states_at_block_ends():
     cached.clear_prefix_cache()
     generated = cached.generate([prompt], bs)[0]
     tokens = prompt + generated
-    keys = block_keys(tokens, bs, 3)
+    keys = BlockHashes(bs).extend(tokens, 3)
     reference = engine("nemotronh")
     done = 0
     for end_block in range(3):
@@ -266,7 +267,7 @@ def test_a_stream_stopped_within_a_step_leaves_no_snapshot_behind():
     assert cached.blocks.num_free_pages == cached.blocks.num_pages
 
 
-def test_a_waiting_prompt_ignores_keys_past_its_usable_blocks():
+def test_internal_a_waiting_prompt_ignores_keys_past_its_usable_blocks():
     """A one-block prompt has no block to hit (its last token must run): it never waits
     for a running prompt computing that block, whatever keys an earlier admission attempt
     left in its chain."""
@@ -274,11 +275,12 @@ def test_a_waiting_prompt_ignores_keys_past_its_usable_blocks():
     bs = cached.block_size
     cached.clear_prefix_cache()
     long = random_prompts(np.random.default_rng(8), cached.cfg.vocab_size, (2 * bs + 1,))[0]
-    running = _Sequence(0, long, SamplingParams(), frozenset())
-    block_keys(long, bs, 2, running.keys)  # computing blocks 0 and 1 now
-    waiting = _Sequence(1, long[:bs], SamplingParams(), frozenset())
-    block_keys(waiting.prompt, bs, 1, waiting.keys)  # what a failed ``_admit`` leaves
-    assert cached._next_admissible(collections.deque([waiting]), [running]) is waiting
+    running = SequenceState(0, long, SamplingParams(), frozenset(), BlockHashes(bs))
+    running.hashes.extend(long, 2)  # computing blocks 0 and 1 now
+    waiting = SequenceState(1, long[:bs], SamplingParams(), frozenset(), BlockHashes(bs))
+    waiting.hashes.extend(waiting.prompt, 1)  # what a failed admission leaves
+    queue = collections.deque([waiting])
+    assert cached.scheduler.next_admissible(queue, [running]) is waiting
 
 
 def test_pages_grow_with_the_sequence_and_come_back():
@@ -308,13 +310,13 @@ def _block_manager(num_pages: int, *, num_snapshots: int = 0) -> BlockManager:
 def test_a_chain_is_evicted_from_its_deepest_block():
     blocks = _block_manager(4)
     tokens = list(range(7))  # three blocks and a token
-    keys = block_keys(tokens, 2, 3)
+    keys = BlockHashes(2)
     blocks.admit(0, tokens, keys, 7)
     blocks.ensure(0, 7)
     blocks.publish(0, tokens, keys, range(3), {})
     blocks.release(0)
     other = [50, 51, 52]  # two pages: the free one and one evicted
-    blocks.admit(1, other, block_keys(other, 2, 1), 3)
+    blocks.admit(1, other, BlockHashes(2), 3)
     blocks.ensure(1, 3)
     assert blocks.evicted_pages == 1 and blocks.num_cached_blocks == 2
     assert blocks.lookup(tokens, keys) == (2, None)  # blocks 0 and 1 are still a chain
@@ -325,14 +327,14 @@ def test_a_block_is_hit_only_under_the_parent_it_was_published_under():
     published again for [7, 8] (a hash collision, forced): [7, 8, 3, 4] hits one block."""
     blocks = _block_manager(3)
     a = [1, 2, 3, 4, 5]
-    keys_a = block_keys(a, 2, 2)
+    keys_a = BlockHashes(2).extend(a, 2)
     blocks.admit(0, a, keys_a, 5)
     blocks.ensure(0, 5)
     blocks.publish(0, a, keys_a, range(2), {})
     root_page = blocks.slot_pages(0)[0]
     blocks.release(0)
     blocks._evictable.move_to_end(root_page, last=False)  # the root goes first
-    b, keys_b = [7, 8, 9], keys_a[:1]
+    b, keys_b = [7, 8, 9], BlockHashes(2, keys_a[:1])  # a's key for b's block
     blocks.admit(1, b, keys_b, 3)
     blocks.ensure(1, 3)
     blocks.publish(1, b, keys_b, range(1), {})
@@ -348,7 +350,7 @@ def test_clearing_keeps_snapshots_taken_for_a_step_out_of_the_free_list():
     other = blocks.take_snapshot()
     assert other != taken and blocks.take_snapshot() is None
     tokens = [1, 2, 3]
-    keys = block_keys(tokens, 2, 1)
+    keys = BlockHashes(2)
     blocks.admit(0, tokens, keys, 3)
     blocks.ensure(0, 3)
     blocks.publish(0, tokens, keys, range(1), {0: taken})
@@ -370,12 +372,12 @@ def test_block_manager_shares_reserves_and_evicts_least_recently_released():
         needs_state=True,
     )
     a = list(range(12))  # three blocks
-    keys_a = block_keys(a, bs, 3)
-    assert blocks.admit(0, a, list(keys_a), max_tokens=13).tokens == 0
+    keys_a = BlockHashes(bs)
+    assert blocks.admit(0, a, keys_a, max_tokens=13).tokens == 0
     blocks.ensure(0, 12)
     assert blocks.tables[0, :3].tolist() == blocks.slot_pages(0) and blocks.num_free_pages == 3
     # 4 pages reserved for slot 0, 2 held elsewhere: a 3-page request must wait.
-    assert blocks.admit(1, [50] * 9, block_keys([50] * 9, bs, 2), max_tokens=12) is None
+    assert blocks.admit(1, [50] * 9, BlockHashes(bs), max_tokens=12) is None
     snaps = [blocks.take_snapshot(), blocks.take_snapshot()]
     assert blocks.take_snapshot() is None  # both in use, none published yet
     blocks.publish(0, a, keys_a, range(3), {0: snaps[0], 2: snaps[1]})
@@ -383,7 +385,7 @@ def test_block_manager_shares_reserves_and_evicts_least_recently_released():
     assert blocks.num_free_pages == 6 and blocks.num_cached_blocks == 3
     # a's first two blocks hit; block 1 has no snapshot, so the hit ends at block 0.
     b = a[:8] + [99]
-    hit = blocks.admit(1, b, block_keys(b, bs, 2), max_tokens=9)
+    hit = blocks.admit(1, b, BlockHashes(bs), max_tokens=9)
     assert (hit.tokens, hit.snapshot) == (4, snaps[0])
     # The pinned snapshot is never handed out; the other is (LRU), unpublishing block 2.
     assert blocks.take_snapshot() == snaps[1]
@@ -393,7 +395,7 @@ def test_block_manager_shares_reserves_and_evicts_least_recently_released():
     blocks.release(1)
     # Pages: 3 cached (refcount 0) + 3 free; a 6-page need evicts all cached, LRU first.
     c = [7] * 23
-    assert blocks.admit(2, c, block_keys(c, bs, 5), max_tokens=24).tokens == 0
+    assert blocks.admit(2, c, BlockHashes(bs), max_tokens=24).tokens == 0
     blocks.ensure(2, 24)
     assert blocks.num_cached_blocks == 0 and blocks.num_free_pages == 0
     with pytest.raises(RuntimeError, match="exhausted"):

@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers")
 jinja2 = pytest.importorskip("jinja2")
 
 from flax_models import LLM, Completion, SamplingParams  # noqa: E402
-from flax_models import generate as generate_cli  # noqa: E402
+from flax_models.serving import cli as generate_cli  # noqa: E402
 from flax_models.serving.chat import render_chat  # noqa: E402
 from flax_models.serving.detokenize import IncrementalDetokenizer  # noqa: E402
 
@@ -196,7 +196,7 @@ def test_a_stream_abandoned_early_gives_its_slots_back(llm):
     stream = llm.stream("Hello", sampling)
     next(stream)
     stream.close()
-    assert len(llm.engine._free_slots) == llm.engine.builder.num_slots
+    assert llm.engine.num_free_slots == llm.engine.builder.num_slots
 
 
 # ---------------------------------------------------------------- sampling through the LLM

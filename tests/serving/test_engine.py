@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 import pallas_kernels as pk
-from flax_models.batching import Request
 from flax_models.checkpoint import load_hf_checkpoint
-from flax_models.engine import Engine, sample_tokens
-from flax_models.serving.sampling import SamplingParams
+from flax_models.serving.batching import Request
+from flax_models.serving.engine import Engine
+from flax_models.serving.sampling import SamplingParams, sample_tokens
 from flax_models.training import pad_sequences
 from pallas_kernels.testing import assert_close
 from tests.helpers import primitives_outside_kernels
@@ -96,7 +96,7 @@ def test_greedy_generation_is_the_argmax_of_the_forward(family):
 
 
 @pytest.mark.parametrize("family", ["bamba", "falcon_h1"])
-def test_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch):
+def test_internal_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch):
     """A step of decode rows only runs each Mamba mixer through ``mamba2_decode`` (here on
     its Triton kernels, interpreted off-GPU): with the gated norm (Bamba) and without it
     (Falcon-H1, where z gates the state update), its logits are the plain forward's, and no
@@ -123,7 +123,7 @@ def test_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch
     rows = enumerate(zip(prompts, next_tokens, strict=True))
     decode = [Request(s, [t], len(p)) for s, (p, t) in rows]
     step_args = {}
-    jitted = engine._jitted
+    jitted = engine.runner.step_program
 
     def shapes_kept(*args, **kwargs):  # the shapes of the step's arguments (some donated)
         step_args.update(
@@ -131,11 +131,12 @@ def test_decode_step_on_packed_rows_gives_the_forward_logits(family, monkeypatch
         )
         return jitted(*args, **kwargs)
 
-    engine._jitted = shapes_kept
+    engine.runner.step_program = shapes_kept
     logits = np.asarray(engine.step(engine.builder.build(decode, [])))
     assert calls and set(calls) == {"triton"}
     # A = -exp(A_log) is taken inside the state update's kernel: no XLA kernel a layer.
-    jaxpr = jax.make_jaxpr(functools.partial(engine._step, **step_args["kw"]))(*step_args["args"])
+    step = functools.partial(engine.runner.step_function, **step_args["kw"])
+    jaxpr = jax.make_jaxpr(step)(*step_args["args"])
     assert "exp" not in primitives_outside_kernels(jaxpr.jaxpr)
     for s, (prompt, token) in enumerate(zip(prompts, next_tokens, strict=True)):
         full = np.asarray(model(family)(jnp.asarray([prompt + [token]])))[0, -1]
@@ -290,14 +291,16 @@ def test_sampling_is_seeded_and_respects_top_k(small_engine):
     assert small_engine.generate(prompts, 5, temperature=0.7, top_k=1) == greedy
 
 
-def test_greedy_steps_launch_no_sampler(small_engine, monkeypatch):
+def test_internal_greedy_steps_launch_no_sampler(small_engine, monkeypatch):
     """A greedy step's tokens are the argmax its step program takes: no sampler program
     runs (a launch and, under tp, a rendezvous of the devices per step); a step where some
     row draws runs one, over the same slots' tokens."""
     launched = []
-    sampler = small_engine._sampler
+    sampler = small_engine.runner.sampler_program
     monkeypatch.setattr(
-        small_engine, "_sampler", lambda *a, **k: launched.append(k) or sampler(*a, **k)
+        small_engine.runner,
+        "sampler_program",
+        lambda *a, **k: launched.append(k) or sampler(*a, **k),
     )
     prompts = random_prompts(np.random.default_rng(8), model().cfg.vocab_size, (6, 3))
     greedy = small_engine.generate(prompts, 4)
@@ -348,7 +351,7 @@ def test_no_program_decides_on_the_device(monkeypatch):
     engine.warmup()
 
 
-def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
+def test_internal_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
     """The scheduler launches step n + 1 (decode rows fed from the device) before it reads
     step n's tokens; rows of sequences that ended in step n are dropped and their slots
     reused: the tokens are the forward's greedy argmax, cut after the first eos."""
@@ -359,7 +362,7 @@ def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
     assert full == greedy_references(m, prompts, full)
     eos = full[0][2]
     order = []
-    real_run, real_land = engine._run, engine._land
+    real_run, real_land = engine.runner.launch, engine.scheduler.land
 
     def run(*args, **kwargs):
         order.append("launch")
@@ -369,8 +372,8 @@ def test_stream_runs_a_step_ahead_and_discards_rows_past_an_end(monkeypatch):
         order.append("read")
         return real_land(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_run", run)
-    monkeypatch.setattr(engine, "_land", land)
+    monkeypatch.setattr(engine.runner, "launch", run)
+    monkeypatch.setattr(engine.scheduler, "land", land)
     stopped = engine.generate(prompts, 8, eos_id=eos)
     for generated, tokens in zip(full, stopped, strict=True):
         assert tokens == (generated[: generated.index(eos) + 1] if eos in generated else generated)
@@ -422,7 +425,7 @@ def test_a_failed_or_interrupted_generate_gives_its_slots_back(small_engine, mon
             small_engine.generate(bad, 4)
 
     # An interrupt in the middle of a generation, after slots were taken and steps run.
-    real_jitted, calls = small_engine._jitted, []
+    real_jitted, calls = small_engine.runner.step_program, []
 
     def interrupted(*args, **kwargs):
         calls.append(None)
@@ -430,10 +433,10 @@ def test_a_failed_or_interrupted_generate_gives_its_slots_back(small_engine, mon
             raise KeyboardInterrupt
         return real_jitted(*args, **kwargs)
 
-    monkeypatch.setattr(small_engine, "_jitted", interrupted)
+    monkeypatch.setattr(small_engine.runner, "step_program", interrupted)
     with pytest.raises(KeyboardInterrupt):
         small_engine.generate(prompts, 4)
-    monkeypatch.setattr(small_engine, "_jitted", real_jitted)
+    monkeypatch.setattr(small_engine.runner, "step_program", real_jitted)
     assert small_engine.generate(prompts, 4) == expected
 
 
