@@ -20,6 +20,7 @@ experts beside its per-layer MLP, which is its shared expert (``moe_per_layer``)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -96,6 +97,12 @@ class HybridConfig:
     key_multiplier: float = 1.0  # scales the keys; applied through ``scale``
     mlp_gate_multiplier: float = 1.0  # gated MLP: silu(gate(x) · this) · up(x)
     mlp_down_multiplier: float = 1.0  # scales the MLP's output
+    # The config.json this config was read from (``from_hf``), kept so that a loaded
+    # checkpoint saves back the same file (``save_hf_checkpoint``); None for a config built
+    # here. Not compared or hashed: two configs of the same architecture are equal.
+    hf_config: Mapping[str, Any] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self):
         if not self.layer_pattern or set(self.layer_pattern) - set("M*-PE"):
@@ -367,7 +374,7 @@ class HybridConfig:
             raise NotImplementedError(
                 f"model_type={model_type!r} is not supported; supported: {sorted(_FROM_HF)}"
             )
-        return reader(config)
+        return dataclasses.replace(reader(config), hf_config=copy.deepcopy(dict(config)))
 
 
 def _json_float(value: Any) -> float:
