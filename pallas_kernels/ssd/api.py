@@ -13,7 +13,7 @@ from pallas_kernels import _validation as checks
 from pallas_kernels._common import search_sorted, slot_gather_index, slot_scatter_index
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 from pallas_kernels.metadata import ChunkMetadata, max_chunks_for
-from pallas_kernels.ssd import mosaic, reference, triton
+from pallas_kernels.ssd import mosaic, mosaic_config, reference, triton, triton_config
 
 SSD_SCAN = Op(
     "ssd_scan",
@@ -21,11 +21,11 @@ SSD_SCAN = Op(
         Backend(
             "mosaic",
             mosaic.ssd_scan,
-            config_type=mosaic.BlockSizes,
-            default_config=lambda *_, **__: mosaic.BlockSizes(),
-            supports=mosaic.supports,
+            config_type=mosaic_config.BlockSizes,
+            default_config=lambda *_, **__: mosaic_config.BlockSizes(),
+            supports=mosaic_config.supports,
             check_config=lambda config, x, dt, A, B, C, *, chunk_size, **__: (
-                mosaic.check_block_sizes(
+                mosaic_config.check_block_sizes(
                     config,
                     heads_per_group=x.shape[1] // B.shape[1],
                     chunk_size=chunk_size,
@@ -37,9 +37,9 @@ SSD_SCAN = Op(
         Backend(
             "triton",
             triton.ssd_scan,
-            config_type=triton.BlockSizes,
-            default_config=lambda x, dt, A, B, C, *, chunk_size, **_: triton.default_block_sizes(
-                chunk_size, x.shape[2], B.shape[2]
+            config_type=triton_config.BlockSizes,
+            default_config=lambda x, dt, A, B, C, *, chunk_size, **_: (
+                triton_config.default_block_sizes(chunk_size, x.shape[2], B.shape[2])
             ),
         ),
         Backend("xla", reference.ssd_scan),
@@ -69,7 +69,7 @@ def ssd_scan(
     state_dtype: jnp.dtype = jnp.float32,
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | mosaic.BlockSizes | None = None,
+    config: triton_config.BlockSizes | mosaic_config.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mamba2 SSD prefill over a packed, chunk-aligned variable-length batch.
 
@@ -82,7 +82,7 @@ def ssd_scan(
     Head ``h`` uses group ``h // (H // G)``. Semantics of vLLM's chunk-aligned
     ``mamba_chunk_scan_combined_varlen``. Differentiable (``jax.grad``, ``jax.vjp``) in x,
     dt, A, B, C, D, z, dt_bias and initial_states with every implementation; the Triton
-    backend through its own Pallas backward kernels (``ssd/triton_backward.py``), whose dA
+    backend through its own Pallas backward kernels (``ssd/triton_vjp.py``), whose dA
     and ddt assume ``dt' A <= 0`` (A < 0, dt' >= 0: every Mamba2 layer).
 
     Args:
@@ -115,8 +115,8 @@ def ssd_scan(
       validate: check the metadata's data on the host (needs concrete arrays).
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``ssd.triton.BlockSizes`` or
-        ``ssd.mosaic.BlockSizes``); default: the backend's heuristic.
+      config: the chosen backend's block sizes (``ssd.triton_config.BlockSizes`` or
+        ``ssd.mosaic_config.BlockSizes``); default: the backend's heuristic.
 
     Returns:
       ``(y[T, H, P], states)`` with ``states`` of shape ``[B, H, P, N]`` (final; a sequence

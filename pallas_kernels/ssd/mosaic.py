@@ -46,14 +46,13 @@ chunk's last rows go out through the TMA store ladder, exactly its rows. Padding
 exit at once; a few extra blocks zero the bucket rows no chunk owns.
 
 Covers bf16/fp16 x, B, C (one dtype), head dim 64, state dims 64/128/256 and chunk sizes
-128/256 within the shared-memory budget, batches of at least one chunk (:func:`supports`);
+128/256 within the shared-memory budget, batches of at least one chunk (``mosaic_config.supports``);
 the rest run on Triton, and so does the differentiated forward (the Triton kernels write
 the backward's residuals).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Final
 
@@ -72,108 +71,21 @@ from pallas_kernels._mosaic import (
     store_rows,
     swizzled_tiles,
 )
-from pallas_kernels._validation import check_int_fields
-from pallas_kernels.ssd import triton
+from pallas_kernels.ssd import triton, triton_config
+from pallas_kernels.ssd.mosaic_config import (
+    BLOCK_ROWS,
+    CONSUMERS,
+    HEAD_DIM,
+    ROWS,
+    BlockSizes,
+    cb_blocks,
+    check_block_sizes,
+    default_heads_per_block,
+)
 
-_CONSUMERS: Final = 2
-_ROWS: Final = 64  # rows of a wgmma block; a chunk is chunk_size // _ROWS of them
-_BLOCK_ROWS: Final = _CONSUMERS * _ROWS  # rows of a chunk one thread block computes
 _COLUMNS: Final = 64  # 16-bit columns of a swizzled tile (128 bytes)
-_HEAD_DIM: Final = 64
-_CHUNK_SIZES: Final = (128, 256)
-_STATE_DIMS: Final = (64, 128, 256)
 # Blocks past the chunks that zero the bucket rows no chunk owns.
 _TAIL_BLOCKS: Final = 2
-# Opt-in shared memory of a Hopper thread block (227 KiB), less room for the barriers.
-_SMEM_BUDGET: Final = 227 * 1024 - 1024
-_MAX_HEADS_PER_BLOCK: Final = 16
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiling of the Mosaic GPU chunk-scan kernel."""
-
-    # Heads of one group a thread block walks, reusing the chunk's C, B and C·Bᵀ. None:
-    # default_heads_per_block; else it must divide the heads per group.
-    heads_per_block: int | None = None
-    num_stages: int = 2  # slots of the per-head TMA ring
-
-    def __post_init__(self):
-        check_int_fields(self)
-        if self.heads_per_block is not None and self.heads_per_block < 1:
-            raise ValueError(f"heads_per_block={self.heads_per_block} must be >= 1")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-
-
-def default_heads_per_block(heads_per_group: int) -> int:
-    """The most heads, at most 16, that divide the heads per group (16 against 8: 0.73 and
-    0.78 ms for the bamba-uniform chunk scan on an H200, 0.43 and 0.47 for nemotronh-ragged)."""
-    return max(d for d in range(1, _MAX_HEADS_PER_BLOCK + 1) if heads_per_group % d == 0)
-
-
-def _smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> int:
-    """Shared memory of one block: its rows of C, the chunk's B and then in its place the
-    per-head ring, C·Bᵀ, the dt'/cum/D vectors and the consumers' output tiles."""
-    c_tile = _BLOCK_ROWS * state_dim * itemsize
-    b_tile = chunk_size * state_dim * itemsize
-    per_head = (chunk_size * _HEAD_DIM + _HEAD_DIM * state_dim) * itemsize
-    cb = _cb_blocks(chunk_size) * _ROWS * _ROWS * itemsize
-    vectors = num_stages * (2 * chunk_size + _HEAD_DIM) * 4
-    staging = 2 * _CONSUMERS * _ROWS * _HEAD_DIM * itemsize
-    return c_tile + max(b_tile, num_stages * per_head) + cb + vectors + staging
-
-
-def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
-    """Why the Mosaic GPU chunk scan cannot take this call (None: it can). Static facts
-    only: shapes and dtypes."""
-    del dt, A
-    if x.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"x is {x.dtype}; the wgmma kernel takes bf16 or fp16"
-    if B.dtype != x.dtype or C.dtype != x.dtype or (z is not None and z.dtype != x.dtype):
-        return f"B, C (and z) must have x's dtype {x.dtype}"
-    if x.shape[2] != _HEAD_DIM:
-        return f"head dim {x.shape[2]} is not {_HEAD_DIM}"
-    if B.shape[2] not in _STATE_DIMS:
-        return f"state dim {B.shape[2]} is not one of {_STATE_DIMS}"
-    if chunk_size not in _CHUNK_SIZES:
-        return f"chunk_size={chunk_size} is not one of {_CHUNK_SIZES}"
-    if x.shape[0] < chunk_size:
-        # TMA boxes of a chunk's rows would be taller than the arrays.
-        return f"T={x.shape[0]} is below chunk_size={chunk_size}"
-    need = _smem_bytes(
-        chunk_size=chunk_size,
-        state_dim=B.shape[2],
-        num_stages=BlockSizes().num_stages,
-        itemsize=x.dtype.itemsize,
-    )
-    if need > _SMEM_BUDGET:
-        return (
-            f"chunk_size={chunk_size} with state dim {B.shape[2]} needs {need} B of shared memory"
-        )
-    return None
-
-
-def check_block_sizes(config: BlockSizes, *, heads_per_group: int, **sizes) -> None:
-    """``heads_per_block`` must divide the heads per group; the ring must fit."""
-    if config.heads_per_block is not None and heads_per_group % config.heads_per_block:
-        raise ValueError(
-            f"config.heads_per_block={config.heads_per_block} must divide the "
-            f"heads per group H / G = {heads_per_group}"
-        )
-    need = _smem_bytes(num_stages=config.num_stages, **sizes)
-    if need > _SMEM_BUDGET:
-        raise ValueError(
-            f"config.num_stages={config.num_stages} needs {need} B of shared memory "
-            f"(at most {_SMEM_BUDGET})"
-        )
-
-
-def _cb_blocks(chunk_size: int) -> int:
-    """64 × 64 blocks of C·Bᵀ a thread block keeps: its two row blocks' causal ones, at
-    most those of a chunk's last two row blocks."""
-    last = chunk_size // _ROWS - 1
-    return last + (last + 1) if last >= 1 else 1
 
 
 def _kernel(
@@ -192,11 +104,11 @@ def _kernel(
     chunk_size = dt_ref.shape[2]
     state_tiles = C_ref.shape[2] // _COLUMNS
     max_chunks = cu_ref.shape[0] - 1
-    num_halves = chunk_size // _BLOCK_ROWS
+    num_halves = chunk_size // BLOCK_ROWS
     dtype, f32 = x_ref.dtype, jnp.float32
     wgmma_layout = plgpu.Layout.WGMMA
     row_vector, column_vector = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
-    block_shape = (_ROWS, _COLUMNS)
+    block_shape = (ROWS, _COLUMNS)
 
     def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, block_shape, dim, layout=wgmma_layout)
@@ -235,7 +147,7 @@ def _kernel(
         length = jnp.where(is_chunk, cu_ref[c + 1] - start, 0)
         # The block's rows [row_lo, row_lo + 128) of the chunk: consumer k's row block is
         # 2 * half + k, which sees the chunk's column blocks [0, 2 * half + k].
-        row_lo = half * _BLOCK_ROWS
+        row_lo = half * BLOCK_ROWS
         works = length > row_lo
         chunk_rows = pl.ds(start, chunk_size)
         # A sequence's first chunk starts from a zero state when no initial states are
@@ -250,12 +162,12 @@ def _kernel(
             else:
                 pl.when(~state_is_zero)(fn)
 
-        @pl.when((wg == _CONSUMERS) & works)
+        @pl.when((wg == CONSUMERS) & works)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             for t in range(state_tiles):
                 columns = pl.ds(t * _COLUMNS, _COLUMNS)
-                block_rows = pl.ds(start + row_lo, _BLOCK_ROWS)
+                block_rows = pl.ds(start + row_lo, BLOCK_ROWS)
                 plgpu.copy_gmem_to_smem(
                     C_ref.at[block_rows, group, columns], c_flat.at[t], c_full.at[t]
                 )
@@ -280,14 +192,14 @@ def _kernel(
 
             produce_ring(load, heads_per_block, free, num_stages=num_stages)
 
-        @pl.when((wg < _CONSUMERS) & works)
+        @pl.when((wg < CONSUMERS) & works)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             k = wg
             b = 2 * half + k  # the consumer's row block of the chunk
-            rows_b = pl.ds(k * _ROWS, _ROWS)  # of the block's C tile
+            rows_b = pl.ds(k * ROWS, ROWS)  # of the block's C tile
             cb_first = k * (2 * half + 1)  # consumer 1's C·Bᵀ blocks follow consumer 0's
-            live = jnp.clip(length - b * _ROWS, 0, _ROWS)
+            live = jnp.clip(length - b * ROWS, 0, ROWS)
             for t in range(state_tiles):
                 plgpu.barrier_wait(c_full.at[t])
                 plgpu.barrier_wait(b_full.at[t])
@@ -301,13 +213,13 @@ def _kernel(
                         plgpu.wgmma(
                             acc_ref,
                             c_tiles.at[t, rows_b],
-                            b_tiles.at[t, pl.ds(jb * _ROWS, _ROWS)].T,
+                            b_tiles.at[t, pl.ds(jb * ROWS, ROWS)].T,
                         )
                     return acc_ref[...]
 
                 value = pl.run_scoped(product, plgpu.ACC(block_shape, f32))
-                column = jb * _ROWS + iota(1)
-                keep = (column < length) & (b * _ROWS + iota(0) >= column)
+                column = jb * ROWS + iota(1)
+                keep = (column < length) & (b * ROWS + iota(0) >= column)
                 cb_smem.at[cb_first + jb][...] = jnp.where(keep, value, 0.0).astype(dtype)
 
             plgpu.commit_smem()
@@ -324,13 +236,13 @@ def _kernel(
                     # x rows past the chunk that this block reads (column blocks up to
                     # 2 * half + 1, split between the consumers): W is 0 there, but
                     # 0 × NaN is not.
-                    for jb in range(chunk_size // _ROWS):
+                    for jb in range(chunk_size // ROWS):
 
                         @pl.when((jb % 2 == k) & (jb <= 2 * half + 1))
                         def _zero(jb=jb):
-                            tile = x_tile.at[pl.ds(jb * _ROWS, _ROWS)]
+                            tile = x_tile.at[pl.ds(jb * ROWS, ROWS)]
                             v = plgpu.load(tile, layout=wgmma_layout)
-                            keep = jb * _ROWS + iota(0) < length
+                            keep = jb * ROWS + iota(0) < length
                             tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
 
                     plgpu.commit_smem()
@@ -352,16 +264,14 @@ def _kernel(
 
                 @pl.when(live > 0)
                 def _row_block():
-                    row0 = start + b * _ROWS
+                    row0 = start + b * ROWS
                     out_tile = out_tiles.at[k, out_slot]
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     if has_z:  # into the output tile; lands while the products run
                         plgpu.copy_gmem_to_smem(
-                            z_ref.at[pl.ds(row0, _ROWS), h], out_flat.at[k, out_slot], z_full.at[k]
+                            z_ref.at[pl.ds(row0, ROWS), h], out_flat.at[k, out_slot], z_full.at[k]
                         )
-                    cum_i = plgpu.load(
-                        cum_smem.at[slot, pl.ds(b * _ROWS, _ROWS)], layout=row_vector
-                    )
+                    cum_i = plgpu.load(cum_smem.at[slot, pl.ds(b * ROWS, ROWS)], layout=row_vector)
 
                     def from_state(acc_ref):
                         for t in range(state_tiles):
@@ -375,7 +285,7 @@ def _kernel(
                     # so those blocks take an exponential per column, not per entry, and
                     # the row factor scales the sum once (with the carried state's term,
                     # exp(cum_i) = exp(cum_i - cum_r) exp(cum_r)).
-                    cum_r = cum_smem[slot, b * _ROWS]
+                    cum_r = cum_smem[slot, b * ROWS]
 
                     def state_term():
                         acc = pl.run_scoped(from_state, plgpu.ACC(block_shape, f32))
@@ -390,7 +300,7 @@ def _kernel(
                         acc = state_term()
 
                     def column_block(jb, acc, *, diagonal):
-                        columns = pl.ds(jb * _ROWS, _ROWS)
+                        columns = pl.ds(jb * ROWS, ROWS)
                         cum_j = plgpu.load(cum_smem.at[slot, columns], layout=column_vector)
                         dt_j = plgpu.load(dt_smem.at[slot, columns], layout=column_vector)
                         cb = plgpu.load(cb_smem.at[cb_first + jb], layout=wgmma_layout).astype(f32)
@@ -414,7 +324,7 @@ def _kernel(
                     acc = acc * lax.broadcast_in_dim(row_decay, block_shape, [0])
                     acc = column_block(b, acc, diagonal=True)
                     if has_D:
-                        x_i = plgpu.load(x_tile.at[pl.ds(b * _ROWS, _ROWS)], layout=wgmma_layout)
+                        x_i = plgpu.load(x_tile.at[pl.ds(b * ROWS, ROWS)], layout=wgmma_layout)
                         d = plgpu.load(d_smem.at[slot], layout=column_vector)
                         acc = acc + x_i.astype(f32) * lax.broadcast_in_dim(d, block_shape, [1])
                     if has_z:
@@ -423,15 +333,15 @@ def _kernel(
                         acc = acc * silu(gate)
                     y = acc.astype(dtype)
 
-                    @pl.when(live == _ROWS)
+                    @pl.when(live == ROWS)
                     def _whole_block():  # one swizzled 64-row store, at any row
                         out_tile[...] = y
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
-                            out_flat.at[k, out_slot], y_ref.at[pl.ds(row0, _ROWS), h]
+                            out_flat.at[k, out_slot], y_ref.at[pl.ds(row0, ROWS), h]
                         )
 
-                    @pl.when(live < _ROWS)
+                    @pl.when(live < ROWS)
                     def _chunk_end():  # the chunk's last rows, through the store ladder
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         tile = out_rows.at[k, out_slot]
@@ -445,7 +355,7 @@ def _kernel(
             lax.fori_loop(0, heads_per_block, head, None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        @pl.when(~is_chunk & (wg < _CONSUMERS))
+        @pl.when(~is_chunk & (wg < CONSUMERS))
         def _tail():
             # Bucket rows [total, T) no chunk owns: zeros, in 64-row stores spread over the
             # tail blocks' consumers (a store past T is clipped by the TMA unit).
@@ -453,15 +363,15 @@ def _kernel(
             zeros = out_rows.at[wg, 0]
             zeros[...] = plgpu.layout_cast(jnp.zeros(block_shape, dtype), wgmma_layout)
             plgpu.commit_smem()
-            workers = _TAIL_BLOCKS * num_halves * _CONSUMERS
-            worker = ((chunk - max_chunks) * num_halves + half) * _CONSUMERS + wg
-            num_pieces = lax.div(y_ref.shape[0] - total + _ROWS - 1, _ROWS)
+            workers = _TAIL_BLOCKS * num_halves * CONSUMERS
+            worker = ((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg
+            num_pieces = lax.div(y_ref.shape[0] - total + ROWS - 1, ROWS)
 
             @pl.loop(worker, num_pieces, step=workers)
             def _zero(piece):
                 for i in range(heads_per_block):
                     plgpu.copy_smem_to_gmem(
-                        zeros, y_ref.at[pl.ds(total + piece * _ROWS, _ROWS), h0 + i]
+                        zeros, y_ref.at[pl.ds(total + piece * ROWS, ROWS), h0 + i]
                     )
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -474,8 +384,8 @@ def _kernel(
         # The block's 128 rows of C: tiles for wgmma, aliased by a swizzle-only view that
         # TMA copies into at any row.
         plgpu.RefUnion(
-            plgpu.SMEM((state_tiles, _BLOCK_ROWS, _COLUMNS), dtype, transforms=tiles),
-            plgpu.SMEM((state_tiles, _BLOCK_ROWS, _COLUMNS), dtype, transforms=flat),
+            plgpu.SMEM((state_tiles, BLOCK_ROWS, _COLUMNS), dtype, transforms=tiles),
+            plgpu.SMEM((state_tiles, BLOCK_ROWS, _COLUMNS), dtype, transforms=flat),
         ),
         # The chunk's B (for C·Bᵀ only), then the per-head ring of x tiles and carried
         # states in its place.
@@ -483,34 +393,34 @@ def _kernel(
             plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=tiles),
             plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=flat),
             (
-                plgpu.SMEM((num_stages, chunk_size, _HEAD_DIM), dtype, transforms=tiles),
-                plgpu.SMEM((num_stages, _HEAD_DIM, state_dim), dtype, transforms=tiles),
+                plgpu.SMEM((num_stages, chunk_size, HEAD_DIM), dtype, transforms=tiles),
+                plgpu.SMEM((num_stages, HEAD_DIM, state_dim), dtype, transforms=tiles),
             ),
-            plgpu.SMEM((num_stages, chunk_size, _HEAD_DIM), dtype, transforms=flat),
+            plgpu.SMEM((num_stages, chunk_size, HEAD_DIM), dtype, transforms=flat),
         ),
-        plgpu.SMEM((_cb_blocks(chunk_size), _ROWS, _ROWS), dtype, transforms=tiles),
+        plgpu.SMEM((cb_blocks(chunk_size), ROWS, ROWS), dtype, transforms=tiles),
         plgpu.SMEM((num_stages, chunk_size), f32),
         plgpu.SMEM((num_stages, chunk_size), f32),
-        plgpu.SMEM((num_stages, _HEAD_DIM), f32) if has_D else None,
+        plgpu.SMEM((num_stages, HEAD_DIM), f32) if has_D else None,
         # Per consumer, two output tiles: swizzled (wgmma layout stores), their
         # swizzle-only view (a TMA store at any row) and an unswizzled view (the store
         # ladder of a chunk's last rows).
         plgpu.RefUnion(
-            plgpu.SMEM((_CONSUMERS, 2, _ROWS, _HEAD_DIM), dtype, transforms=tiles),
-            plgpu.SMEM((_CONSUMERS, 2, _ROWS, _HEAD_DIM), dtype, transforms=flat),
-            plgpu.SMEM((_CONSUMERS, 2, _ROWS, _HEAD_DIM), dtype),
+            plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=tiles),
+            plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=flat),
+            plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype),
         ),
         plgpu.Barrier(num_barriers=state_tiles),
         plgpu.Barrier(num_barriers=state_tiles),
-        plgpu.Barrier(num_arrivals=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages) if has_D else None,
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=_CONSUMERS) if has_z else None,
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=CONSUMERS) if has_z else None,
         collective_axes="wg",
     )
 
@@ -532,7 +442,7 @@ def state_scan_supports(*, heads_per_group: int, state_dim: int, intermediate: b
     shared memory."""
     return (
         not intermediate
-        and heads_per_group % _CONSUMERS == 0
+        and heads_per_group % CONSUMERS == 0
         and state_dim in _STATE_DIMS_OF_STATE_SCAN
     )
 
@@ -561,7 +471,7 @@ def _state_scan_kernel(
     dtype, f32 = x_ref.dtype, jnp.float32
     wgmma_layout = plgpu.Layout.WGMMA
     num_stages = 2
-    tile_shape = (_ROWS, _COLUMNS)
+    tile_shape = (ROWS, _COLUMNS)
 
     def body(b_views, x_views, w_smem, out_views, b_full, x_full, w_full, zeroed, free, init_full):
         b_tiles, b_flat = b_views
@@ -573,7 +483,7 @@ def _state_scan_kernel(
         window = window_ref[j]
         leads = (j == 0) | (window_ref[jnp.maximum(j - 1, 0)] != window)
         seq_lo, seq_hi = j, jnp.where(leads, group_end_ref[j], j)
-        h0 = lax.axis_index("heads") * _CONSUMERS
+        h0 = lax.axis_index("heads") * CONSUMERS
         group = lax.div(h0, heads_per_group)
         wg = lax.axis_index("wg")
         steps_per_chunk = chunk_size // _STEP_ROWS
@@ -589,7 +499,7 @@ def _state_scan_kernel(
             start = cu_ref[c]
             return c, row0, start + row0, jnp.clip(cu_ref[c + 1] - start - row0, 0, _STEP_ROWS)
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
@@ -604,15 +514,15 @@ def _state_scan_kernel(
                         b_full.at[slot * state_tiles + t],
                     )
                 w_rows = pl.ds(row0, _STEP_ROWS)
-                for k in range(_CONSUMERS):
+                for k in range(CONSUMERS):
                     h = h0 + k
                     plgpu.copy_gmem_to_smem(
-                        x_ref.at[rows, h], x_flat.at[slot, k], x_full.at[slot * _CONSUMERS + k]
+                        x_ref.at[rows, h], x_flat.at[slot, k], x_full.at[slot * CONSUMERS + k]
                     )
                     plgpu.copy_gmem_to_smem(
                         weight_ref.at[h, c, w_rows],
                         w_smem.at[slot, k],
-                        w_full.at[slot * _CONSUMERS + k],
+                        w_full.at[slot * CONSUMERS + k],
                     )
 
             def sequence(position, done):  # `done`: the block's steps before this sequence
@@ -628,7 +538,7 @@ def _state_scan_kernel(
 
             lax.fori_loop(seq_lo, seq_hi, sequence, jnp.int32(0))
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             k = wg
@@ -657,15 +567,15 @@ def _state_scan_kernel(
 
                 decay = jnp.where(chunk_start, decay_ref[h, c], 1.0)
                 x_tile = x_tiles.at[slot, k]
-                plgpu.barrier_wait(x_full.at[slot * _CONSUMERS + k])
-                plgpu.barrier_wait(w_full.at[slot * _CONSUMERS + k])
+                plgpu.barrier_wait(x_full.at[slot * CONSUMERS + k])
+                plgpu.barrier_wait(w_full.at[slot * CONSUMERS + k])
                 # x rows weighted by exp(cum_end - cum_j) dt'_j, rows past the chunk 0
                 # (selected: they hold other rows, NaN in tests), in place.
-                for r in range(_STEP_ROWS // _ROWS):
-                    rows = pl.ds(r * _ROWS, _ROWS)
+                for r in range(_STEP_ROWS // ROWS):
+                    rows = pl.ds(r * ROWS, ROWS)
                     x = plgpu.load(x_tile.at[rows], layout=wgmma_layout).astype(f32)
                     w = plgpu.load(w_smem.at[slot, k, rows], layout=wgmma_layout.reduce(1))
-                    row = r * _ROWS + plgpu.broadcasted_iota(
+                    row = r * ROWS + plgpu.broadcasted_iota(
                         jnp.int32, tile_shape, 0, layout=wgmma_layout
                     )
                     weighted = x * lax.broadcast_in_dim(w, tile_shape, [0])
@@ -680,12 +590,12 @@ def _state_scan_kernel(
                     # not. Each consumer zeroes its share of B's column tiles.
                     for t in range(state_tiles):
 
-                        @pl.when(t % _CONSUMERS == k)
+                        @pl.when(t % CONSUMERS == k)
                         def _zero(t=t):
-                            for r in range(_STEP_ROWS // _ROWS):
-                                tile = b_tiles.at[slot, t, pl.ds(r * _ROWS, _ROWS)]
+                            for r in range(_STEP_ROWS // ROWS):
+                                tile = b_tiles.at[slot, t, pl.ds(r * ROWS, ROWS)]
                                 v = plgpu.load(tile, layout=wgmma_layout)
-                                row = r * _ROWS + plgpu.broadcasted_iota(
+                                row = r * ROWS + plgpu.broadcasted_iota(
                                     jnp.int32, tile_shape, 0, layout=wgmma_layout
                                 )
                                 tile[...] = jnp.where(row < live, v, jnp.zeros_like(v))
@@ -740,7 +650,7 @@ def _state_scan_kernel(
     tiles = swizzled_tiles(dtype)
     flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
     ring_b = (num_stages, state_tiles, _STEP_ROWS, _COLUMNS)
-    ring_x = (num_stages, _CONSUMERS, _STEP_ROWS, _HEAD_DIM)
+    ring_x = (num_stages, CONSUMERS, _STEP_ROWS, HEAD_DIM)
     pl.run_scoped(
         body,
         plgpu.RefUnion(
@@ -749,19 +659,19 @@ def _state_scan_kernel(
         plgpu.RefUnion(
             plgpu.SMEM(ring_x, dtype, transforms=tiles), plgpu.SMEM(ring_x, dtype, transforms=flat)
         ),
-        plgpu.SMEM((num_stages, _CONSUMERS, _STEP_ROWS), f32),
+        plgpu.SMEM((num_stages, CONSUMERS, _STEP_ROWS), f32),
         # Per consumer: two tiles of carried states (x's dtype) or, the same bytes, one
         # fp32 tile (the initial and the final state).
         plgpu.RefUnion(
-            plgpu.SMEM((_CONSUMERS, 2, _HEAD_DIM, state_dim), dtype, transforms=tiles),
-            plgpu.SMEM((_CONSUMERS, _HEAD_DIM, state_dim), f32, transforms=swizzled_tiles(f32)),
+            plgpu.SMEM((CONSUMERS, 2, HEAD_DIM, state_dim), dtype, transforms=tiles),
+            plgpu.SMEM((CONSUMERS, HEAD_DIM, state_dim), f32, transforms=swizzled_tiles(f32)),
         ),
         plgpu.Barrier(num_barriers=num_stages * state_tiles),
-        plgpu.Barrier(num_barriers=num_stages * _CONSUMERS),
-        plgpu.Barrier(num_barriers=num_stages * _CONSUMERS),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=num_stages * CONSUMERS),
+        plgpu.Barrier(num_barriers=num_stages * CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=CONSUMERS),
         collective_axes="wg",
     )
 
@@ -771,7 +681,7 @@ def sequence_steps(cu, first, count, *, steps_per_chunk: int):
     ``(num_steps, step)``, ``step(i) -> (chunk, row)`` for ``i`` in ``[0, num_steps)``
     (step ``i`` covers rows ``row + [0, 128)`` of the chunk). ``cu``: the chunk starts
     (``cu_chunk_seqlens``, a ref or an array); ``first``/``count``: the sequence's first
-    chunk and its number of chunks (``triton.sequence_chunks``), int32 scalars.
+    chunk and its number of chunks (``triton_config.sequence_chunks``), int32 scalars.
 
     Only a sequence's first and last chunks can be short (the others end at multiples of
     the chunk size), so they take ``ceil(rows / 128)`` steps and every other chunk
@@ -806,7 +716,7 @@ def sequence_steps(cu, first, count, *, steps_per_chunk: int):
 
 
 def state_scan_groups(
-    s: triton.ScanShapes, order: jax.Array, count: jax.Array
+    s: triton_config.ScanShapes, order: jax.Array, count: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``(window, group_end)``, int32 ``[B]`` each, over the sequences in ``order`` (longest
     first): sorted position ``j``'s window is ``start_j // window_steps``, ``start_j`` the
@@ -823,7 +733,7 @@ def state_scan_groups(
     steps = count * steps_per_chunk
     end = jnp.cumsum(steps)
     start = end - steps
-    head_pairs = s.heads // _CONSUMERS
+    head_pairs = s.heads // CONSUMERS
     window_steps = jnp.clip(end[-1] * head_pairs // _FILL_BLOCKS, 1, _WINDOW_STEPS)
     # Past every window of the real sequences' steps (at most max_chunks of them).
     alone = s.max_chunks * steps_per_chunk + 1
@@ -833,7 +743,7 @@ def state_scan_groups(
 
 
 def state_scan(
-    s: triton.ScanShapes,
+    s: triton_config.ScanShapes,
     metadata,
     x,
     dt,
@@ -873,7 +783,7 @@ def state_scan(
         dt_limit=dt_limit,
         interpret=interpret,
     )
-    order, first, count = triton.sequence_chunks(s, metadata)
+    order, first, count = triton_config.sequence_chunks(s, metadata)
     window, group_end = state_scan_groups(s, order, count)
     initial = None if initial_states is None else initial_states.astype(jnp.float32)
     kernel = plgpu.kernel(
@@ -889,10 +799,14 @@ def state_scan(
         ),
         # The last axis varies fastest: the head pairs of a sequence run side by side and
         # share its B in L2.
-        grid=(s.num_seqs, s.heads // _CONSUMERS),
+        grid=(s.num_seqs, s.heads // CONSUMERS),
         grid_names=("seq", "heads"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
+        kernel_name=(
+            f"ssd_mosaic_state_scan_cs{s.chunk_size}_n{s.state_dim}"
+            f"_init{int(initial is not None)}_skip{int(skip_first_carried and initial is None)}"
+        ),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
@@ -915,7 +829,7 @@ def state_scan(
 
 
 def chunk_scan(
-    s: triton.ScanShapes,
+    s: triton_config.ScanShapes,
     metadata,
     x: jax.Array,
     C: jax.Array,
@@ -956,10 +870,14 @@ def chunk_scan(
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
         # The last axis varies fastest: the head blocks of a chunk run side by side and
         # share its C and B in L2.
-        grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // _BLOCK_ROWS, s.heads // heads_per_block),
+        grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // BLOCK_ROWS, s.heads // heads_per_block),
         grid_names=("chunk", "half", "heads"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
+        kernel_name=(
+            f"ssd_mosaic_chunk_scan_cs{s.chunk_size}_n{s.state_dim}_hb{heads_per_block}"
+            f"_s{config.num_stages}_zero{int(first_states_zero)}"
+        ),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
@@ -986,8 +904,8 @@ def _chunk_scan_with(config: BlockSizes, first_states_zero: bool):
 
 def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated and
-    :func:`supports` takes the call. The Triton state scan, then this chunk scan; under
-    differentiation the Triton forward (it writes the backward's residuals) and backward."""
+    ``mosaic_config.supports`` takes the call. The Triton state scan, then this chunk scan;
+    under differentiation the Triton forward (it writes the backward's residuals) and backward."""
     mosaic_states = state_scan_supports(
         heads_per_group=x.shape[1] // B.shape[1],
         state_dim=B.shape[2],
@@ -1002,7 +920,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         B,
         C,
         chunk_size=chunk_size,
-        config=triton.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
+        config=triton_config.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
         state_scan_fn=_state_scan_with(first_states_zero) if mosaic_states else None,
         chunk_scan_fn=_chunk_scan_with(config, first_states_zero),
         **options,

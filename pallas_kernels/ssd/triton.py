@@ -28,12 +28,11 @@ Gradients (``jax.custom_vjp``): outside differentiation the scan is the three la
 above, unchanged. Under differentiation the state scan keeps the carried states in fp32
 and the chunk scan also writes y before the D skip and the gate; with dt', the cumulative
 decay and C·Bᵀ they are the residuals of the Pallas backward kernels in
-``ssd/triton_backward.py`` (chunk-granular: no per-token state is stored or recomputed).
+``ssd/triton_vjp.py`` (chunk-granular: no per-token state is stored or recomputed).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import decay_factor, process_dt, search_sorted, silu
+from pallas_kernels._common import decay_factor, process_dt, silu
 from pallas_kernels._pallas import (
     MIN_DOT_DIM,
     block_dim,
@@ -50,49 +49,16 @@ from pallas_kernels._pallas import (
     for_each_tail_block,
     static_index,
 )
-from pallas_kernels._validation import check_int_fields
 from pallas_kernels.metadata import ChunkMetadata
-from pallas_kernels.ssd import triton_backward
-
-# Programs (per row block and head) that zero the bucket rows past the chunks.
-_TAIL_PROGRAMS = 2
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiling of the state-scan and chunk-scan kernels, launch parameters of all three."""
-
-    block_m: int = 64  # chunk rows per chunk-scan program
-    block_k: int = 32  # chunk columns per step of the causal loop
-    block_t: int = 128  # chunk rows per step of the state scan
-    num_warps: int = 4  # warps per program
-    num_stages: int = 2  # software-pipelining depth of the causal and state-scan loops
-
-    def __post_init__(self):
-        check_int_fields(self)
-        for name in ("block_m", "block_k", "block_t"):
-            value = getattr(self, name)
-            if value < MIN_DOT_DIM or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"{self.num_warps=} and {self.num_stages=} must be >= 1")
-
-
-def default_block_sizes(chunk_size: int, head_dim: int, state_dim: int) -> BlockSizes:
-    """Chunk scan: 64-row blocks stepping 32 columns at a time (the fastest of six tilings
-    on an H200, tools/profile_ssd.py: 10% under 64×64 on bamba-uniform; 128-row blocks on
-    8 warps were 25% slower). State scan: 128-row steps (bamba-uniform 2.00 ms against
-    2.16 ms with 64-row steps, bamba-short 1.70 against 1.84). 8 warps once the head or
-    state dim passes 128."""
-    cs = block_dim(chunk_size, MIN_DOT_DIM)
-    wide = max(head_dim, state_dim) > 128
-    return BlockSizes(
-        block_m=min(64, cs),
-        block_k=min(32, cs),
-        block_t=min(128, cs),
-        num_warps=8 if wide else 4,
-    )
-
+from pallas_kernels.ssd import triton_vjp
+from pallas_kernels.ssd.triton_config import (
+    TAIL_PROGRAMS,
+    BlockSizes,
+    Residuals,
+    ScanShapes,
+    default_backward_block_sizes,
+    sequence_chunks,
+)
 
 # ----------------------------------------------------------- 1. chunk states, passed along
 
@@ -388,65 +354,11 @@ def _chunk_scan_kernel(
             num_rows=num_tokens,
             block=bcs,
             program=c - max_chunks,
-            num_programs=_TAIL_PROGRAMS,
+            num_programs=TAIL_PROGRAMS,
         )
 
 
 # ------------------------------------------------------------------------------- wrapper
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanShapes:
-    """Static sizes shared by the three launches: ``x[T, H, P]``, ``B, C[T, G, N]`` and the
-    metadata's B sequences in ``max_chunks`` chunk slots of ``chunk_size`` rows."""
-
-    heads: int  # H
-    head_dim: int  # P
-    groups: int  # G
-    state_dim: int  # N
-    num_seqs: int  # B
-    max_chunks: int
-    chunk_size: int
-
-    @classmethod
-    def of(cls, x: jax.Array, B: jax.Array, metadata: ChunkMetadata) -> ScanShapes:
-        """The sizes of a scan of ``x`` and ``B`` over ``metadata``'s chunks."""
-        _, H, P = x.shape
-        G, N = B.shape[1:]
-        return cls(
-            heads=H,
-            head_dim=P,
-            groups=G,
-            state_dim=N,
-            num_seqs=metadata.last_chunk_indices.shape[0],
-            max_chunks=metadata.max_chunks,
-            chunk_size=metadata.chunk_size,
-        )
-
-    @property
-    def block_chunk(self) -> int:  # rows of a chunk, padded to a power of two
-        return block_dim(self.chunk_size, MIN_DOT_DIM)
-
-    @property
-    def block_p(self) -> int:
-        return block_dim(self.head_dim, MIN_DOT_DIM)
-
-    @property
-    def block_n(self) -> int:
-        return block_dim(self.state_dim, MIN_DOT_DIM)
-
-
-def sequence_chunks(s: ScanShapes, metadata: ChunkMetadata) -> tuple[jax.Array, ...]:
-    """``(order, first_chunk, num_seq_chunks)``, int32 ``[B]`` each: the sequences longest
-    walk first (so the last state-scan programs to start are short ones), each sequence's
-    first chunk and its number of chunks (seq_idx is non-decreasing over the real
-    chunks)."""
-    seq_sorted = jnp.where(metadata.seq_idx >= 0, metadata.seq_idx, s.num_seqs)
-    first_chunk = search_sorted(seq_sorted, jnp.arange(s.num_seqs), side="left")
-    last = metadata.last_chunk_indices
-    num_seq_chunks = jnp.where(last >= 0, last - first_chunk + 1, 0).astype(jnp.int32)
-    order = jnp.argsort(-num_seq_chunks, stable=True).astype(jnp.int32)
-    return order, first_chunk.astype(jnp.int32), num_seq_chunks
 
 
 def _chunk_decay_kernel(
@@ -645,7 +557,7 @@ def chunk_scan(
             head_dim=s.head_dim,
             state_dim=s.state_dim,
         ),
-        grid=(bcs // block_m, s.heads, s.max_chunks + _TAIL_PROGRAMS),
+        grid=(bcs // block_m, s.heads, s.max_chunks + TAIL_PROGRAMS),
         out_shape=(
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             # fp32: the backward's decay cotangent dy · y_ssm − dt' x · g cancels, and is
@@ -751,7 +663,7 @@ def _differentiable(
     state_scan_fn,
     chunk_scan_fn,
 ):
-    """The scan with its Pallas backward kernels (``ssd/triton_backward.py``), for one set
+    """The scan with its Pallas backward kernels (``ssd/triton_vjp.py``), for one set
     of static options. Outside differentiation it is the plain forward (with the stage
     kernels given, see ``_forward``); under it, the forward also returns the backward's
     residuals (``_forward(residuals=True)``, the Triton chunk scan), with the same y and
@@ -800,12 +712,12 @@ def _differentiable(
             **options,
         )
         inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)
-        return (y, states), (inputs, triton_backward.Residuals(*saved))
+        return (y, states), (inputs, Residuals(*saved))
 
     def backward_rule(residuals, cotangents):
         (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata), saved = residuals
         dy, dstates = cotangents
-        grads = triton_backward.ssd_scan_backward(
+        grads = triton_vjp.ssd_scan_backward(
             x,
             dt,
             A,
@@ -822,7 +734,7 @@ def _differentiable(
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
             return_intermediate_states=return_intermediate_states,
-            config=triton_backward.default_backward_block_sizes(config),
+            config=default_backward_block_sizes(config),
             interpret=interpret,
         )
         # The chunk layout (integers) is not differentiated.
@@ -856,7 +768,7 @@ def ssd_scan(
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
-    backward kernels of ``ssd/triton_backward.py``. ``state_scan_fn`` and
+    backward kernels of ``ssd/triton_vjp.py``. ``state_scan_fn`` and
     ``chunk_scan_fn``: the forward's stages outside differentiation (see
     ``_forward``); None: the Triton ones."""
     del chunk_size  # the api checked it is metadata.chunk_size

@@ -46,9 +46,7 @@ backward does not apply to dA and ddt (the other gradients stay exact).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,92 +55,20 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import decay_factor, silu, silu_grad
 from pallas_kernels._pallas import (
-    MIN_DOT_DIM,
     compiler_params,
     dot,
     for_each_tail_block,
     static_index,
 )
-from pallas_kernels._validation import check_int_fields
 from pallas_kernels.metadata import ChunkMetadata
-
-# A module import: ssd/triton.py imports this module for its custom_vjp.
-from pallas_kernels.ssd import triton as forward
-
-# Programs (per row block and head) that zero the gradient rows past the chunks (the
-# forward's ``_TAIL_PROGRAMS`` is the same count; it cannot be imported here: ssd/triton.py
-# imports this module while it is being initialised).
-_TAIL_PROGRAMS = 2
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BackwardBlockSizes:
-    """Tiling and launch parameters of the three backward launches."""
-
-    block_m: int = 64  # chunk rows per chunk_dx / chunk_dbc program
-    block_k: int = 32  # chunk rows per step of their loops over the chunk
-    block_t: int = 128  # chunk rows per step of the state pass
-    num_warps: int = 4  # warps per state-pass and chunk_dx program
-    # chunk_dbc's own tiles (None: block_m, block_k): its ∂W tiles [dbc_block_m,
-    # dbc_block_k] are summed over up to max_heads_per_program heads before each product
-    # with B or C, so wider tiles mean fewer, larger products.
-    dbc_block_m: int | None = None
-    dbc_block_k: int | None = None
-    dbc_num_warps: int = 8  # warps per chunk_dbc program (two [block_m, N] fp32 accumulators)
-    num_stages: int = 2  # software-pipelining depth of the state pass and chunk_dx loops
-    dbc_num_stages: int = 3  # the same for chunk_dbc's loops
-    # Heads of a group one chunk_dbc program sums at most (a divisor of H / G is taken):
-    # G = 1 with 128 heads runs 8 head splits, so a chunk's row blocks fill the device;
-    # the splits' fp32 partial dB, dC ([splits, T, G, N]) are summed outside.
-    max_heads_per_program: int = 16
-
-    def __post_init__(self):
-        check_int_fields(self)
-        for name in ("block_m", "block_k", "block_t", "dbc_block_m", "dbc_block_k"):
-            value = getattr(self, name)
-            if value is None and name.startswith("dbc_"):
-                continue
-            if value < MIN_DOT_DIM or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
-        for name in (
-            "num_warps",
-            "dbc_num_warps",
-            "num_stages",
-            "dbc_num_stages",
-            "max_heads_per_program",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-
-
-def default_backward_block_sizes(config: forward.BlockSizes) -> BackwardBlockSizes:
-    """The forward's row blocks (the backward's loops walk the same chunks), with wider
-    steps over the chunk: 64 rows per chunk_dx step and ∂W tiles of 128 columns in
-    chunk_dbc, pipelined 3 deep, on 8 warps at least (its two fp32 accumulators would spill
-    on 4). On one H200, G 1 chunk 256 (``tools/profile_ssd_backward.py --sweep``): chunk_dx
-    2.58 → 2.44 ms and chunk_dbc 6.23 → 2.97 ms against 32-row steps pipelined 2 deep;
-    3 stages would slow the state pass (0.68 → 0.93 ms)."""
-    return BackwardBlockSizes(
-        block_m=config.block_m,
-        block_k=min(64, config.block_m),
-        block_t=config.block_t,
-        num_warps=config.num_warps,
-        dbc_block_k=128,
-        dbc_num_warps=max(config.num_warps, 8),
-        num_stages=config.num_stages,
-        dbc_num_stages=3,
-    )
-
-
-class Residuals(NamedTuple):
-    """What the forward under differentiation keeps for the backward (chunk-granular)."""
-
-    dt_chunks: jax.Array  # [H, max_chunks, bcs] fp32: dt' (0 past a chunk's end)
-    cum: jax.Array  # [H, max_chunks, bcs] fp32: within-chunk cumulative dt' A
-    carried: jax.Array  # [max_chunks, H, bp, bn] fp32: the state entering each chunk
-    cb: jax.Array  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
-    y_ssm: jax.Array  # [T, H, P] fp32: y before the D skip and the z gate
-
+from pallas_kernels.ssd.triton_config import (
+    TAIL_PROGRAMS,
+    BackwardBlockSizes,
+    Residuals,
+    ScanShapes,
+    heads_per_program,
+    sequence_chunks,
+)
 
 # ------------------------------------------------------------- 1. reverse state passing
 
@@ -381,7 +307,7 @@ def _chunk_dx_kernel(
             num_rows=num_tokens,
             block=bcs,
             program=c - max_chunks,
-            num_programs=_TAIL_PROGRAMS,
+            num_programs=TAIL_PROGRAMS,
         )
 
 
@@ -523,7 +449,7 @@ def _chunk_dbc_kernel(
 
 
 def state_pass(
-    s: forward.ScanShapes,
+    s: ScanShapes,
     metadata,
     dy,
     z,
@@ -539,7 +465,7 @@ def state_pass(
     dlast[H, max_chunks], d initial_states[B, H, P, N] fp32)``."""
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
-    order, first, count = forward.sequence_chunks(s, metadata)
+    order, first, count = sequence_chunks(s, metadata)
     T = dy.shape[0]
     cdt = dy.dtype
     out_shape = (
@@ -565,9 +491,7 @@ def state_pass(
     )(order, first, count, metadata.cu_chunk_seqlens, dy, z, C, res.cum, res.carried, dstates)
 
 
-def chunk_dx(
-    s: forward.ScanShapes, cu, x, B, res: Residuals, ds_out, D, z, dy, dyg, *, blocks, interpret
-):
+def chunk_dx(s: ScanShapes, cu, x, B, res: Residuals, ds_out, D, z, dy, dyg, *, blocks, interpret):
     """Stage 2: ``(dx[T, H, P], dz[T, H, P] or None, ddt, dcum, q [H, max_chunks, bcs] fp32,
     dD partial [bcs / block_m, max_chunks, H, bp] fp32 or None)``."""
     bcs = s.block_chunk
@@ -592,7 +516,7 @@ def chunk_dx(
             block_m=block_m,
             block_k=block_k,
         ),
-        grid=(bcs // block_m, s.heads, s.max_chunks + _TAIL_PROGRAMS),
+        grid=(bcs // block_m, s.heads, s.max_chunks + TAIL_PROGRAMS),
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
@@ -600,16 +524,7 @@ def chunk_dx(
     )(cu, x, B, res.cb, res.dt_chunks, res.cum, res.y_ssm, ds_out, D, z, dy, dyg)
 
 
-def heads_per_program(heads_per_group: int, blocks: BackwardBlockSizes) -> int:
-    """Heads of a group one ``chunk_dbc`` program sums: the largest divisor of ``H / G``
-    not above ``blocks.max_heads_per_program``."""
-    limit = min(heads_per_group, blocks.max_heads_per_program)
-    return max(d for d in range(1, limit + 1) if heads_per_group % d == 0)
-
-
-def chunk_dbc(
-    s: forward.ScanShapes, cu, x, B, C, res: Residuals, ds_out, dyg, *, blocks, interpret
-):
+def chunk_dbc(s: ScanShapes, cu, x, B, C, res: Residuals, ds_out, dyg, *, blocks, interpret):
     """Stage 3: ``(dB, dC)`` partials ``[splits, T, G, bn]`` fp32 (rows past the chunks
     unwritten)."""
     bcs = s.block_chunk
@@ -678,7 +593,7 @@ def ssd_scan_backward(
     those of ``y[T, H, P]`` (``dy``) and of the returned states (``dstates``: final
     ``[B, H, P, N]`` or intermediate ``[max_chunks, H, P, N]``), in the inputs' dtypes."""
     f32 = jnp.float32
-    s = forward.ScanShapes.of(x, B, metadata)
+    s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
     cu = metadata.cu_chunk_seqlens
     dy = dy.astype(x.dtype)

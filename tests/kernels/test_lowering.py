@@ -17,7 +17,9 @@ import pytest
 from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.mamba_decode import triton as mamba_decode_triton
 from pallas_kernels.ssd import mosaic as ssd_mosaic
+from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
 from pallas_kernels.ssd import triton as ssd_triton
+from pallas_kernels.ssd import triton_config as ssd_config
 from pallas_kernels.state_update import triton as state_update_triton
 from tests.helpers import lower_for_cuda, primitives_outside_kernels, spec
 
@@ -38,7 +40,7 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
         chunk_size=chunk_size,
         dtype=dtype,
         return_intermediate_states=intermediate,
-        config=ssd_triton.default_block_sizes(chunk_size, head_dim, state_dim),
+        config=ssd_config.default_block_sizes(chunk_size, head_dim, state_dim),
     )
     for name in ("ssd_state_scan", "ssd_chunk_cb", "ssd_chunk_scan"):
         assert name in text
@@ -59,7 +61,7 @@ def test_ssd_mosaic_lowers(chunk_size, gated, intermediate):
         gated=gated,
         initial=gated,
         return_intermediate_states=intermediate,
-        config=ssd_mosaic.BlockSizes(),
+        config=ssd_mosaic_config.BlockSizes(),
     )
     assert text.count("custom_call @mosaic_gpu") == (1 if intermediate else 2)
     assert ("ssd_state_scan" in text) == intermediate
@@ -70,9 +72,9 @@ def test_ssd_mosaic_calls_share_one_compiled_scan():
     """Calls with equal options reuse the scan that ``triton._differentiable`` caches for
     them: the Mosaic stages it is keyed by are one object per config, not one per call."""
     options = dict(chunk_size=128, return_intermediate_states=False)
-    _lower_ssd(ssd_mosaic.ssd_scan, config=ssd_mosaic.BlockSizes(), **options)
+    _lower_ssd(ssd_mosaic.ssd_scan, config=ssd_mosaic_config.BlockSizes(), **options)
     cached = ssd_triton._differentiable.cache_info().currsize
-    _lower_ssd(ssd_mosaic.ssd_scan, config=ssd_mosaic.BlockSizes(), **options)
+    _lower_ssd(ssd_mosaic.ssd_scan, config=ssd_mosaic_config.BlockSizes(), **options)
     assert ssd_triton._differentiable.cache_info().currsize == cached
 
 

@@ -264,17 +264,17 @@ def test_step_layouts_lower_without_loops():
     loop whose every iteration the host launches as its own kernels."""
     from flax_models.batch import make_forward_batch
     from pallas_kernels.attention._layout import token_layout
-    from pallas_kernels.ssd import triton as ssd_triton
+    from pallas_kernels.ssd import triton_config as ssd_config
 
     qsl, computed = jnp.array([0, 5, 70, 103], jnp.int32), jnp.array([0, 3, 0], jnp.int32)
     x, B = jnp.zeros((128, 2, 4)), jnp.zeros((128, 1, 8))
 
     def layouts(qsl, computed):
         md = chunk_metadata(qsl, computed, chunk_size=16, max_chunks=16)
-        shapes = ssd_triton.ScanShapes.of(x, B, md)
+        shapes = ssd_config.ScanShapes.of(x, B, md)
         return (
             md,
-            ssd_triton.sequence_chunks(shapes, md),
+            ssd_config.sequence_chunks(shapes, md),
             sequence_block_table(qsl, block_size=16, num_blocks=12),
             dataclasses.astuple(
                 token_layout(128, qsl, computed + qsl[1:] - qsl[:-1], jnp.arange(3))

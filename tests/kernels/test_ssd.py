@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from pallas_kernels import chunk_metadata, max_chunks_for, ssd_scan
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.ssd import mosaic as ssd_mosaic
+from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
 from pallas_kernels.ssd import triton as ssd_triton
+from pallas_kernels.ssd import triton_config as ssd_config
 from pallas_kernels.testing import assert_close, assert_close_per_row, ssd_oracle
 from tests.helpers import (
     check_out_of_range_slots_are_padding,
@@ -172,7 +174,7 @@ def test_intermediate_states_are_oracle_states_at_chunk_ends(impl):
 def test_triton_several_steps_per_chunk(intermediate):
     """Small tiles on a 64-token chunk: the state scan takes 4 steps per chunk (some past a
     short chunk's end), the chunk scan 4 row blocks per chunk."""
-    small = ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16)
+    small = ssd_config.BlockSizes(block_m=16, block_k=16, block_t=16)
     p = make_problem(
         [150, 70, 1, 20], computed=[0, 100, 63, 30], chunk_size=64, groups=1, extra_rows=40
     )
@@ -503,7 +505,7 @@ def test_unservable_implementation_is_a_clear_error():
             implementation="mosaic",
         )
     with pytest.raises(ValueError, match="config of type"):
-        run(p, "xla", config=ssd_triton.BlockSizes())
+        run(p, "xla", config=ssd_config.BlockSizes())
 
 
 def test_validate_rejects_inconsistent_metadata():
@@ -707,7 +709,7 @@ def test_mosaic_supports_what_its_tiles_take():
     the shared memory of a block; ``supports`` names the reason for everything else."""
     for options in (dict(), dict(dtype=jnp.float16, N=64), dict(chunk_size=128, N=256)):
         args, kwargs = _mosaic_args(**options)
-        assert ssd_mosaic.supports(*args, **kwargs) is None, options
+        assert ssd_mosaic_config.supports(*args, **kwargs) is None, options
     for options, reason in (
         (dict(dtype=jnp.float32), "bf16 or fp16"),
         (dict(P=80), "head dim 80"),
@@ -717,30 +719,30 @@ def test_mosaic_supports_what_its_tiles_take():
         (dict(N=256), "shared memory"),  # chunk 256 with N 256: 284 KiB
     ):
         args, kwargs = _mosaic_args(**options)
-        assert reason in ssd_mosaic.supports(*args, **kwargs), options
+        assert reason in ssd_mosaic_config.supports(*args, **kwargs), options
     args, kwargs = _mosaic_args()
     x, dt, A, B, C = args
-    assert "dtype" in ssd_mosaic.supports(x, dt, A, B, C.astype(jnp.float16), **kwargs)
+    assert "dtype" in ssd_mosaic_config.supports(x, dt, A, B, C.astype(jnp.float16), **kwargs)
 
 
 def test_mosaic_block_sizes_are_checked():
     sizes = dict(chunk_size=256, state_dim=128, itemsize=2)
-    assert ssd_mosaic.default_heads_per_block(128) == 16
-    assert ssd_mosaic.default_heads_per_block(12) == 12
-    assert ssd_mosaic.default_heads_per_block(34) == 2
-    ssd_mosaic.check_block_sizes(
-        ssd_mosaic.BlockSizes(heads_per_block=4), heads_per_group=8, **sizes
+    assert ssd_mosaic_config.default_heads_per_block(128) == 16
+    assert ssd_mosaic_config.default_heads_per_block(12) == 12
+    assert ssd_mosaic_config.default_heads_per_block(34) == 2
+    ssd_mosaic_config.check_block_sizes(
+        ssd_mosaic_config.BlockSizes(heads_per_block=4), heads_per_group=8, **sizes
     )
     with pytest.raises(ValueError, match="heads_per_block=3"):
-        ssd_mosaic.check_block_sizes(
-            ssd_mosaic.BlockSizes(heads_per_block=3), heads_per_group=8, **sizes
+        ssd_mosaic_config.check_block_sizes(
+            ssd_mosaic_config.BlockSizes(heads_per_block=3), heads_per_group=8, **sizes
         )
     with pytest.raises(ValueError, match="num_stages=3"):
-        ssd_mosaic.check_block_sizes(
-            ssd_mosaic.BlockSizes(num_stages=3), heads_per_group=8, **sizes
+        ssd_mosaic_config.check_block_sizes(
+            ssd_mosaic_config.BlockSizes(num_stages=3), heads_per_group=8, **sizes
         )
     with pytest.raises(ValueError, match="heads_per_block"):
-        ssd_mosaic.BlockSizes(heads_per_block=0)
+        ssd_mosaic_config.BlockSizes(heads_per_block=0)
 
 
 def test_chunk_decay_is_the_triton_state_scans():
@@ -750,7 +752,7 @@ def test_chunk_decay_is_the_triton_state_scans():
     and a clamp; more heads than a program's 16), the weights and decays their formulas."""
     p = make_problem([300, 5, 395], computed=[0, 10, 3], heads=20, chunk_size=128, extra_rows=9)
     md = p.metadata()
-    shapes = ssd_triton.ScanShapes.of(p.x, p.B, md)
+    shapes = ssd_config.ScanShapes.of(p.x, p.B, md)
     options = dict(dt_softplus=True, dt_limit=(0.05, 2.0))
     dt_chunks, cum, weight, decay = ssd_triton.chunk_decay(
         shapes, md, p.dt, p.A, p.dt_bias, **options, interpret=True
@@ -767,7 +769,7 @@ def test_chunk_decay_is_the_triton_state_scans():
         intermediate=False,
         state_dtype=jnp.float32,
         carried_dtype=jnp.float32,
-        blocks=ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=64),
+        blocks=ssd_config.BlockSizes(block_m=16, block_k=16, block_t=64),
         interpret=True,
         **options,
     )
@@ -788,8 +790,8 @@ def test_mosaic_state_scan_steps_cover_each_chunk_once():
     lengths, computed = [300, 5, 395, 0, 128, 900, 1], [0, 10, 3, 0, 60, 130, 255]
     p = make_problem(lengths, computed=computed, chunk_size=256)
     md = p.metadata()
-    shapes = ssd_triton.ScanShapes.of(p.x, p.B, md)
-    _, first, count = ssd_triton.sequence_chunks(shapes, md)
+    shapes = ssd_config.ScanShapes.of(p.x, p.B, md)
+    _, first, count = ssd_config.sequence_chunks(shapes, md)
     cu = np.asarray(md.cu_chunk_seqlens)
     for b in range(len(lengths)):
         num_steps, step = ssd_mosaic.sequence_steps(
@@ -837,8 +839,8 @@ def test_mosaic_state_scan_groups_partition_the_sequences(heads):
     lengths = [300, 5, 395, 0, 128, 900, 1] + [40] * 40 + [9000, 0, 0]
     p = make_problem(lengths, chunk_size=256)
     md = p.metadata()
-    shapes = dataclasses.replace(ssd_triton.ScanShapes.of(p.x, p.B, md), heads=heads)
-    order, _, count = ssd_triton.sequence_chunks(shapes, md)
+    shapes = dataclasses.replace(ssd_config.ScanShapes.of(p.x, p.B, md), heads=heads)
+    order, _, count = ssd_config.sequence_chunks(shapes, md)
     window, group_end = (np.asarray(a) for a in ssd_mosaic.state_scan_groups(shapes, order, count))
     steps = np.asarray(count)[np.asarray(order)] * 2
     window_steps = ssd_mosaic._WINDOW_STEPS

@@ -2,7 +2,7 @@
 central finite differences of the float64 oracle (``testing.vjp_errors``) in x, dt, A, B, C,
 D, z, dt_bias and initial_states, the Triton backend against the ``xla`` path's
 ``jax.grad``, and the Triton backend's gradient running its own Pallas backward kernels
-(``ssd/triton_backward.py``), never the reference.
+(``ssd/triton_vjp.py``), never the reference.
 
 Shapes are tiny (every Triton kernel runs in interpret mode on the CPU), but cover the
 layout: 32-row chunks in 16-row tiles (full and diagonal column blocks, two state-scan
@@ -25,7 +25,8 @@ from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.ssd import triton as ssd_triton
-from pallas_kernels.ssd import triton_backward as ssd_backward
+from pallas_kernels.ssd import triton_config as ssd_config
+from pallas_kernels.ssd import triton_vjp as ssd_vjp
 from pallas_kernels.testing import assert_close, relative_error, ssd_oracle, vjp_errors
 from tests.helpers import (
     as_f32,
@@ -60,7 +61,7 @@ def _bf16_tol(name: str) -> float:
 
 CS, H, G, P, N = 32, 4, 2, 8, 16
 # 16-row tiles: two row blocks and two state-scan steps per 32-row chunk.
-CONFIG = ssd_triton.BlockSizes(block_m=16, block_k=16, block_t=16, num_warps=4)
+CONFIG = ssd_config.BlockSizes(block_m=16, block_k=16, block_t=16, num_warps=4)
 # A 37-token prompt (two chunks, the second short), an empty sequence, a continued prefix
 # of 45 tokens (its 21 new ones start mid-chunk: a 19-row chunk, then 2 rows), a 9-token
 # continuation of 3, and 5 bucket rows past them.
@@ -395,10 +396,10 @@ def test_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
         interpret=True,
         residuals=True,
     )
-    res = ssd_backward.Residuals(*saved)
-    s = ssd_triton.ScanShapes.of(x, B, metadata)
-    default = ssd_backward.default_backward_block_sizes(CONFIG)
-    dyg, ds_out, _, _ = ssd_backward.state_pass(
+    res = ssd_config.Residuals(*saved)
+    s = ssd_config.ScanShapes.of(x, B, metadata)
+    default = ssd_config.default_backward_block_sizes(CONFIG)
+    dyg, ds_out, _, _ = ssd_vjp.state_pass(
         s, metadata, dy, z, C, res, dstates, intermediate=False, blocks=default, interpret=True
     )
     total = int(metadata.cu_chunk_seqlens[-1])
@@ -408,8 +409,8 @@ def test_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
         blocks = dataclasses.replace(default, max_heads_per_program=per_program)
         if dbc_block_k is not None:
             blocks = dataclasses.replace(blocks, dbc_block_k=dbc_block_k)
-        assert ssd_backward.heads_per_program(H // G, blocks) == per_program
-        parts = ssd_backward.chunk_dbc(
+        assert ssd_config.heads_per_program(H // G, blocks) == per_program
+        parts = ssd_vjp.chunk_dbc(
             s, metadata.cu_chunk_seqlens, x, B, C, res, ds_out, dyg, blocks=blocks, interpret=True
         )
         assert parts[0].shape[0] == H // G // per_program
@@ -447,7 +448,7 @@ def test_ssd_backward_kernels_lower_for_cuda():
         (512, 2, 4, 2, 256, True, False, 80, 256),
     ):
         max_chunks = max_chunks_for(T, num_seqs, cs)
-        config = ssd_triton.default_block_sizes(cs, head_dim, state_dim)
+        config = ssd_config.default_block_sizes(cs, head_dim, state_dim)
 
         def grad(*args, cs=cs, intermediate=intermediate, config=config):
             *primals, cu, seq, last, num, dy, dstates = args
