@@ -1,6 +1,6 @@
 """Masked-tail attention (``masked_tail_attention``) benchmarks.
 
-``python -m benchmarks.attention [--out results.json] [--quick] [--only PROBLEM ...]
+``python -m benchmarks.attention [--out FILE] [--results-dir DIR] [--quick] [--only PROBLEM ...]
 [--paged-only] [--page-size 256]``. Problems: dense causal prefill, a ragged batch whose KV
 tails are mostly masked, chunked prefill on long cached prefixes, and decode over ragged KV
 lengths; ``--quick`` shrinks them for a CPU smoke run.
@@ -10,7 +10,7 @@ values copied into a page pool (``block_table``; pages of ``--page-size`` keys, 
 ``--quick``) holding only the pages the sequences use, in shuffled order; each such row
 carries ``paged_over_contiguous``, its time over the contiguous row's. ``--paged-only``
 runs just the Pallas backends' contiguous and paged rows (no xla, no cuDNN), e.g. on an
-H200: ``PYTHONPATH=. python3 -m benchmarks.attention --paged-only --out $OUT/paged.json``.
+H200: ``PYTHONPATH=. python3 -m benchmarks.attention --paged-only --out $OUT/attention.json``.
 
 Rows: ``xla`` (the reference), ``triton`` and, on a GPU, cuDNN
 (``jax.nn.dot_product_attention(..., implementation="cudnn")`` on the dense
@@ -272,18 +272,21 @@ def report_paged(rows: Sequence[dict]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    paged, argv = _paged_args(argv)
-    args = harness.parse_args(argv, "masked_tail_attention benchmarks")
+    command = list(sys.argv[1:] if argv is None else argv)
+    paged, argv = _paged_args(command)
+    args = harness.parse_args(
+        argv, "masked_tail_attention benchmarks", module="attention", command=command
+    )
     page_size = paged.page_size or (16 if args.quick else 256)
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
     for p in problems(args.quick):
         if harness.selected(p.name, args.only):
             rows += bench(p, ceilings, page_size=page_size, paged_only=paged.paged_only)
-            if args.out is not None:  # progressively: a run cut short keeps what it measured
-                harness.report("masked_tail_attention", rows, ceilings, args.out)
+            # Progressively: a run cut short keeps what it measured.
+            harness.write_report(rows, ceilings, args.output)
     harness.add_speedups(rows)
-    harness.report("masked_tail_attention", rows, ceilings, args.out)
+    harness.report("masked_tail_attention", rows, ceilings, args.output)
     report_paged(rows)
     return rows
 

@@ -1,7 +1,7 @@
 """Causal conv1d (prefill and decode) and gated RMSNorm benchmarks (memory-bound ops).
 
-``python -m benchmarks.conv1d [--out results.json] [--quick]``. Bamba-9B shapes (conv dim
-8448 = d_inner 8192 + 2·N 128, width 4; norm over d_inner 8192); ``--quick`` shrinks them
+``python -m benchmarks.conv1d [--out FILE] [--results-dir DIR] [--quick]``. Bamba-9B shapes
+(conv dim 8448 = d_inner 8192 + 2·N 128, width 4; norm over d_inner 8192); ``--quick`` shrinks them
 for a CPU smoke run. Each row reports achieved bytes/s against the copy bandwidth measured
 in the same run.
 """
@@ -207,7 +207,7 @@ def bench_norm(p: NormProblem, ceilings: harness.Ceilings) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    args = harness.parse_args(argv, "conv1d and gated norm benchmarks")
+    args = harness.parse_args(argv, "conv1d and gated norm benchmarks", module="conv1d")
     ceilings = harness.measure_ceilings(quick=args.quick)
     conv, update, norm = problems(args.quick)
     rows = []
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         rows += bench_norm(p, ceilings)
     harness.add_speedups(rows)
     harness.report(
-        "causal_conv1d / causal_conv1d_update / gated_rms_norm", rows, ceilings, args.out
+        "causal_conv1d / causal_conv1d_update / gated_rms_norm", rows, ceilings, args.output
     )
     return rows
 

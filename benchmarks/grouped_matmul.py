@@ -1,8 +1,8 @@
 """MoE expert matmul (``grouped_matmul``) benchmarks.
 
-``python -m benchmarks.grouped_matmul [--out results.json] [--quick] [--only PROBLEM ...]
-[--sweep]``. Problems are the expert layers of Granite-4.0-H-Small (hidden 4096, 72
-experts, top-10, expert width 768; SwiGLU, so the gate-up projection is fused to
+``python -m benchmarks.grouped_matmul [--out FILE] [--results-dir DIR] [--quick]
+[--only PROBLEM ...] [--sweep]``. Problems are the expert layers of Granite-4.0-H-Small
+(hidden 4096, 72 experts, top-10, expert width 768; SwiGLU, so the gate-up projection is fused to
 N = 2 × 768) and Nemotron-3-Nano (hidden 2688, 128 experts, top-6, width 1856; relu², no
 gate), for 8192 routed tokens (prefill, compute-bound) and 256 (decode, weight-streaming);
 M = tokens × top_k rows, sorted by expert.
@@ -17,17 +17,14 @@ Rooflines, measured in this run: for 8192-token problems the FLOPs over the rate
 bf16 matmul with the same total FLOPs (``[M, K] @ [K, N]``, also a ``dense`` row); for
 256-token problems the bytes of the experts touched (weights of experts with at least one
 row, plus x and y) over the measured copy bandwidth. ``--sweep`` adds Triton rows for a
-set of block sizes around the heuristic's (``config`` names each).
+set of block sizes around the heuristic's (``sweep: true``, ``config_name`` names each).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +33,7 @@ import numpy as np
 from benchmarks import harness
 from pallas_kernels import backend_for, grouped_matmul
 from pallas_kernels.grouped_matmul import api as grouped_matmul_api
-from pallas_kernels.grouped_matmul import triton as gm_triton
+from pallas_kernels.grouped_matmul import triton_config as gm_config
 
 # Routed tokens from which a problem is compute-bound (its roofline the matmul rate).
 _PREFILL_TOKENS = 8192
@@ -97,9 +94,9 @@ def cost(p: Problem, group_sizes: np.ndarray) -> tuple[float, float]:
     return flops, float(bytes_moved)
 
 
-def sweep_configs(p: Problem) -> list[gm_triton.BlockSizes]:
+def sweep_configs(p: Problem) -> list[gm_config.BlockSizes]:
     """Block sizes around the heuristic's, for ``--sweep``."""
-    B = gm_triton.BlockSizes
+    B = gm_config.BlockSizes
     if p.tokens >= _PREFILL_TOKENS:
         return [
             B(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
@@ -186,7 +183,7 @@ def bench(p: Problem, ceilings: harness.Ceilings, *, quick: bool, sweep: bool) -
             continue
         config = None
         if impl == "triton":
-            config = gm_triton.default_block_sizes(p.rows, p.K, p.N, p.num_experts, x.dtype)
+            config = gm_config.default_block_sizes(p.rows, p.K, p.N, p.num_experts, x.dtype)
         add(impl, config=config, config_name=None if config is None else str(config))
     if sweep and "triton" in harness.runnable(grouped_matmul_api.GROUPED_MATMUL):
         for config in sweep_configs(p):
@@ -198,13 +195,14 @@ def bench(p: Problem, ceilings: harness.Ceilings, *, quick: bool, sweep: bool) -
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    # ``--sweep`` is this module's own flag; the rest are the harness's. Without ``--out``,
-    # the JSON goes to $OUT/grouped_matmul.json when $OUT is set (the GPU machine's).
-    argv = list(sys.argv[1:] if argv is None else argv)
-    sweep = "--sweep" in argv
-    args = harness.parse_args([a for a in argv if a != "--sweep"], "grouped_matmul benchmarks")
-    out = args.out or (
-        os.path.join(os.environ["OUT"], "grouped_matmul.json") if os.environ.get("OUT") else None
+    # ``--sweep`` is this module's own flag; the rest are the harness's.
+    command = list(sys.argv[1:] if argv is None else argv)
+    sweep = "--sweep" in command
+    args = harness.parse_args(
+        [a for a in command if a != "--sweep"],
+        "grouped_matmul benchmarks",
+        module="grouped_matmul",
+        command=command,
     )
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
@@ -212,20 +210,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         if harness.selected(p.name, args.only):
             rows += bench(p, ceilings, quick=args.quick, sweep=sweep)
     main_rows = [r for r in rows if not r.get("sweep")]
+    swept = [r for r in rows if r.get("sweep")]
     harness.add_speedups(main_rows)
-    harness.report("grouped_matmul (MoE experts)", main_rows, ceilings, out)
+    # The sweep's rows (``sweep: true``, each named by its ``config_name``) follow the
+    # others in the JSON; the table prints them apart.
+    harness.report("grouped_matmul (MoE experts)", main_rows, ceilings, None)
+    harness.write_report(main_rows + swept, ceilings, args.output)
     if sweep:
         print("\nTriton sweep (median ms, % of roofline):")
-        swept = [r for r in rows if r.get("sweep")]
         for r in swept:
             print(
                 f"{r['problem']:<28}{r['median_ms']:>9.3f}"
                 f"{100 * r['roofline_fraction']:>7.1f}%  {r['config_name']}"
             )
-        if out is not None:
-            payload = json.loads(Path(out).read_text())
-            payload["sweep"] = swept
-            Path(out).write_text(json.dumps(payload, indent=2, default=str))
     return rows
 
 

@@ -8,15 +8,21 @@ updates) are repeated inside one jitted program (:func:`time_cache_update`), so 
 is the GPU's time per update, launch gaps included, not the host's. Ceilings (copy
 bandwidth, bf16 matmul rate) are measured in the same run, never written down, and every
 row reports its fraction of the roofline.
+
+Every module writes one schema (:data:`SCHEMA_KEYS`: ``device``, ``jax``, ``date``,
+``command``, ``ceilings``, ``rows``; one row per problem and implementation), to ``--out
+PATH`` and/or, with ``--results-dir DIR``, to the results store ``DIR/<device>/<module>.json``
+(``benchmarks/results/nvidia_h200/ssd.json``; :class:`Output`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
-import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -25,26 +31,188 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from benchmarks import plots
 from pallas_kernels.backend import Op
 
+ROOT: Final = Path(__file__).resolve().parent.parent
+# The results store: ``<device>/<module>.json``, one file per benchmark module and device
+# (``nvidia_h200/ssd.json``, ``nvidia_h200x2/model.json``), each in the schema below, plots
+# beside them (``nvidia_h200/ssd_<op>.png``).
+RESULTS: Final = ROOT / "benchmarks" / "results"
+# Every results file's top-level keys, and what each row must have. ``ceilings`` is the
+# run's measured ``copy_gbps`` and ``matmul_tflops`` (empty for a module that measures no
+# roofline); a row kept from an earlier run carries that run's ``date``, ``command`` and
+# ``ceilings`` itself.
+SCHEMA_KEYS: Final = ("device", "jax", "date", "command", "ceilings", "rows")
+ROW_KEYS: Final = ("problem", "implementation")
 
-def parse_args(argv: Sequence[str] | None, description: str) -> argparse.Namespace:
-    """``--out PATH`` (JSON) and ``--quick`` (tiny shapes, a CPU smoke run): the arguments
-    every benchmark module takes."""
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--out PATH`` and ``--results-dir DIR``: where a module writes its JSON."""
+    parser.add_argument("--out", default=None, help="write the JSON here (replacing it)")
+    parser.add_argument(
+        "--results-dir",
+        default=None,
+        metavar="DIR",
+        help="write DIR/<device>/<module>.json (benchmarks/results is the committed store), "
+        "keeping the rows of an earlier run there that this run does not measure again",
+    )
+
+
+def output_for(args: argparse.Namespace, module: str, argv: Sequence[str]) -> Output:
+    """The :class:`Output` of module ``benchmarks.<module>`` run with ``argv`` (its
+    arguments as given, for the file's ``command``)."""
+    return Output(
+        module=module,
+        command=shlex.join(["python", "-m", f"benchmarks.{module}", *argv]),
+        path=None if args.out is None else Path(args.out),
+        results_dir=None if args.results_dir is None else Path(args.results_dir),
+    )
+
+
+def parse_args(
+    argv: Sequence[str] | None,
+    description: str,
+    *,
+    module: str,
+    command: Sequence[str] | None = None,
+) -> argparse.Namespace:
+    """``--out PATH`` / ``--results-dir DIR`` (JSON), ``--quick`` (tiny shapes, a CPU
+    smoke run) and ``--only``: the arguments every benchmark module takes. ``args.output``
+    is the :class:`Output` to report to; ``command`` is the module's whole argument list
+    where it took some of ``argv``'s options itself (default ``argv``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--out", default=None, help="write the JSON here")
+    add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument(
         "--only", nargs="+", default=None, metavar="PROBLEM", help="run only these problems"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.output = output_for(args, module, argv if command is None else command)
+    return args
+
+
+def device_name(devices: int = 1) -> str:
+    """The results store's name of this machine's device kind run ``devices`` at a time:
+    ``nvidia_h200``, ``nvidia_h200x2``."""
+    kind = plots.slug(jax.devices()[0].device_kind)
+    return kind if devices <= 1 else f"{kind}x{devices}"
+
+
+def results_path(module: str, device: str, root: str | Path = RESULTS) -> Path:
+    """``root/<device>/<module>.json``."""
+    return Path(root) / device / f"{module}.json"
+
+
+def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """Rows of two runs are the same measurement when these agree (a tiling sweep's rows
+    differ by their config)."""
+    return (row.get("problem"), row.get("implementation"), row.get("config_name"))
+
+
+@dataclasses.dataclass
+class Output:
+    """Where a module's report goes: ``path`` (``--out``, replaced) and/or
+    ``results_dir/<device>/<module>.json`` (``--results-dir``; the rows of an earlier run
+    there that this run does not measure again are kept, each with its own run's
+    ``date``, ``command`` and ``ceilings``).
+
+    Attributes:
+      module: the benchmark module (``ssd``, ``model``, ...), the file's name in the store.
+      command: the command line of this run.
+      path: ``--out``, else None.
+      results_dir: ``--results-dir``, else None.
+      devices: how many devices a row runs on at most (a tp = 2 mesh: 2); names the
+        store's device folder (``nvidia_h200x2``).
+    """
+
+    module: str
+    command: str
+    path: Path | None = None
+    results_dir: Path | None = None
+    devices: int = 1
+    _kept: list[dict[str, Any]] | None = dataclasses.field(default=None, repr=False)
+
+    def paths(self) -> list[Path]:
+        store = (
+            []
+            if self.results_dir is None
+            else [results_path(self.module, device_name(self.devices), self.results_dir)]
+        )
+        return ([] if self.path is None else [self.path]) + store
+
+    def write(self, rows: Sequence[dict[str, Any]], ceilings: Ceilings | None) -> None:
+        """Writes ``rows`` in the schema (first process only)."""
+        if jax.process_index() != 0:
+            return
+        payload = dict(
+            device=jax.devices()[0].device_kind,
+            jax=jax.__version__,
+            date=datetime.datetime.now(datetime.UTC).date().isoformat(),
+            command=self.command,
+            ceilings={} if ceilings is None else dataclasses.asdict(ceilings),
+            rows=list(rows),
+        )
+        if self.devices > 1:
+            payload["device"] = f"{self.devices} x {payload['device']}"
+        if self.path is not None:
+            _write_json(self.path, payload)
+        if self.results_dir is not None:
+            path = results_path(self.module, device_name(self.devices), self.results_dir)
+            if self._kept is None:  # read once, before this run first writes the file
+                self._kept = _earlier_rows(path)
+            measured = {_row_key(r) for r in rows}
+            kept = [r for r in self._kept if _row_key(r) not in measured]
+            _write_json(path, payload | dict(rows=list(rows) + kept))
+
+
+def _earlier_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of the results file at ``path`` (none if there is none), each with its run's
+    ``date``, ``command`` and ``ceilings`` unless it carries its own."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    check_schema(earlier, path)
+    run = {key: earlier[key] for key in ("date", "command", "ceilings")}
+    return [run | r for r in earlier["rows"]]
+
+
+def check_schema(payload: Any, source: str | Path = "results") -> None:
+    """``ValueError`` unless ``payload`` is a results file: exactly :data:`SCHEMA_KEYS` at
+    the top, ``ceilings`` a dict (empty, or both rates), ``rows`` a list of dicts with
+    :data:`ROW_KEYS`."""
+    if not isinstance(payload, dict) or set(payload) != set(SCHEMA_KEYS):
+        keys = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{source}: top-level keys {keys}, expected {sorted(SCHEMA_KEYS)}")
+    for key in ("device", "jax", "date", "command"):
+        if not isinstance(payload[key], str) or not payload[key]:
+            raise ValueError(f"{source}: {key}={payload[key]!r} is not a non-empty string")
+    ceilings = payload["ceilings"]
+    if not isinstance(ceilings, dict) or (
+        ceilings and set(ceilings) != {f.name for f in dataclasses.fields(Ceilings)}
+    ):
+        raise ValueError(f"{source}: ceilings={ceilings!r}, expected copy_gbps, matmul_tflops")
+    if not isinstance(payload["rows"], list):
+        raise ValueError(f"{source}: rows is not a list")
+    for i, r in enumerate(payload["rows"]):
+        if not isinstance(r, dict) or any(not isinstance(r.get(k), str) for k in ROW_KEYS):
+            raise ValueError(f"{source}: rows[{i}] lacks a string {' or '.join(ROW_KEYS)}")
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Writes then renames, so a run killed mid-write leaves the previous file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload, indent=1, default=_json_default) + "\n")
+    partial.replace(path)
 
 
 # Set by :func:`spawn_processes` in each process it starts: "index/count/port".
@@ -266,9 +434,9 @@ def add_speedups(rows: list[dict[str, Any]], baseline: str = "xla") -> None:
 
 
 def report(
-    title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings, out: str | Path | None
+    title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings, output: Output | None
 ) -> None:
-    """Prints the table and writes the JSON (with device and ceilings) to ``out``."""
+    """Prints the table and writes the JSON (:meth:`Output.write`)."""
     device = jax.devices()[0]
     print(
         f"\n## {title} on {device.device_kind} (jax {jax.__version__}); copy "
@@ -288,28 +456,17 @@ def report(
             f"{100 * r['roofline_fraction']:>7.1f}%"
             f"{'' if speedup is None else f'{speedup:.2f}x':>8}"
         )
-    write_report(title, rows, ceilings, out)
+    write_report(rows, ceilings, output)
 
 
 def write_report(
-    title: str, rows: Sequence[dict[str, Any]], ceilings: Ceilings, out: str | Path | None
+    rows: Sequence[dict[str, Any]], ceilings: Ceilings | None, output: Output | None
 ) -> None:
-    """Writes :func:`report`'s JSON without printing (first process only; nothing when
-    ``out`` is None): a long benchmark rewrites it after every row, so that a run stopped
-    by a time limit keeps what it measured."""
-    if out is not None and jax.process_index() == 0:
-        device = jax.devices()[0]
-        payload = dict(
-            title=title,
-            device=device.device_kind,
-            platform=device.platform,
-            jax=jax.__version__,
-            host=platform.node(),
-            ceilings=dataclasses.asdict(ceilings),
-            rows=list(rows),
-        )
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(payload, indent=2, default=_json_default))
+    """Writes :func:`report`'s JSON without printing (nothing when ``output`` is None): a
+    long benchmark rewrites it after every row, so that a run stopped by a time limit keeps
+    what it measured."""
+    if output is not None:
+        output.write(rows, ceilings)
 
 
 def _json_default(value: Any) -> Any:

@@ -1,6 +1,6 @@
 """End-to-end serving benchmark: hybrid models of real shapes (random init, bf16).
 
-``python -m benchmarks.model [--out results.json] [--quick] [--models NAME ...]
+``python -m benchmarks.model [--out FILE] [--results-dir DIR] [--quick] [--models NAME ...]
 [--mesh tp=N ...] [--implementations auto xla] [--processes N] [--mock-devices N]``.
 Models (``HybridConfig`` presets):
 ``bamba-9b`` (dense: hidden 4096, 32 layers, attention at 9, 18, 27),
@@ -64,11 +64,11 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import harness
-from flax_models.batching import Request
 from flax_models.config import HybridConfig
-from flax_models.engine import Engine
 from flax_models.layers.moe import MoE
 from flax_models.model import HybridLM
+from flax_models.serving.batching import Request
+from flax_models.serving.engine import Engine
 from flax_models.serving.sampling import SamplingParams
 
 
@@ -434,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     # Before the first device call: the allocator's share of each GPU (see the docstring).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = list(argv)
     processes, argv = _take_option(argv, "--processes")
     mock, argv = _take_option(argv, "--mock-devices")
     if mock is not None:
@@ -461,7 +462,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         raise SystemExit(f"--mesh: expected tp=N with N >= 1, got {meshes}")
     implementations, argv = _take_option(argv, "--implementations")
     implementations = implementations or ["auto", "xla"]
-    args = harness.parse_args(argv, "hybrid model serving benchmark")
+    args = harness.parse_args(
+        argv, "hybrid model serving benchmark", module="model", command=command
+    )
+    # The store's device folder: the most devices a mesh spans (mocked ones are not GPUs).
+    args.output.devices = 1 if mock is not None else max(tps)
     ceilings = harness.measure_ceilings(quick=args.quick)
     if args.quick:  # a tiny dense and a tiny MoE model (CPU smoke run)
         models = {"tiny": HybridConfig.tiny(), "tiny-moe": HybridConfig.tiny_moe()}
@@ -479,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         harness.add_speedups(rows)
         _add_tp_speedups(rows)
         # After every row: a run stopped by a time limit keeps what it measured.
-        harness.write_report("hybrid model serving", rows, ceilings, args.out)
+        harness.write_report(rows, ceilings, args.output)
 
     for name, cfg in models.items():
         for tp in tps:
@@ -511,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             f"{r['tokens_per_s']:>12.0f}{r['roofline_fraction']:>8.1%}"
             + "".join(f"{'-':>8}" if x is None else f"{x:>7.2f}x" for x in ratios)
         )
-    harness.report("hybrid model serving", rows, ceilings, args.out)
+    harness.report("hybrid model serving", rows, ceilings, args.output)
     return rows
 
 

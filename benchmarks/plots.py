@@ -1,25 +1,22 @@
 """Benchmark results as tables and plots: time per problem and implementation, next to the
 roofline and the in-run baselines.
 
-Reads the two JSON shapes the benchmarks write:
+Reads the results store, ``benchmarks/results/<device>/<module>.json``: every file in the
+one schema ``benchmarks.harness`` writes (``device``, ``jax``, ``date``, ``command``,
+``ceilings`` with ``copy_gbps`` and ``matmul_tflops``, and ``rows``: ``problem``,
+``implementation``, ``median_ms``, ``roofline_ms``, ``roofline_fraction``,
+``speedup_vs_xla``, ...). Rows without a time (a prefix-caching run's) are tables only;
+rows of a tiling sweep (``sweep: true``) are left out of the plots.
 
-- one module's run, as ``benchmarks.harness.report`` writes it: ``title``, ``device``,
-  ``ceilings`` (``copy_gbps``, ``matmul_tflops``) and ``rows`` (``problem``,
-  ``implementation``, ``median_ms``, ``roofline_ms``, ``roofline_fraction``,
-  ``speedup_vs_xla``, ...);
-- the combined file of ``benchmarks.run_all``: ``device`` and ``modules``, each module
-  either such a report or ``{"error": ...}``;
-- several runs gathered in one file (e.g. one per model or mesh): ``runs``, a list of such
-  reports, read as modules ``<file stem>[i]``.
+A row with a ``serving`` record (``benchmarks.serving``) also gets its latency plot,
+``serving_<policy>_latency.png``: the distributions of time to first token and time per
+output token over the trace's requests.
 
-A report with a ``serving`` entry (``benchmarks.serving``) also gets its latency plot,
-``<json stem>_serving_latency.png``: the distributions of time to first token and time
-per output token over the trace's requests.
-
-``python -m benchmarks.plots FILE_OR_DIR... [--out-dir DIR]`` writes one PNG per op,
-``<json stem>_<op>.png`` (``nvidia_h200_ssd.png`` from ``nvidia_h200.json``). Rows are
-grouped by their ``op`` field where they have one, else by module. matplotlib is imported
-only to draw (the JSON side needs nothing but the standard library).
+``python -m benchmarks.plots [FILE_OR_DIR ...] [--out-dir DIR]`` (default: the whole store)
+writes one PNG per op beside each JSON: ``<module>_<op>.png``, or ``<module>.png`` where the
+op is the module's name (``nvidia_h200/conv1d_causal_conv1d.png``, ``nvidia_h200/model.png``).
+Rows are grouped by their ``op`` field where they have one, else by module. matplotlib is
+imported only to draw (the JSON side needs nothing but the standard library).
 """
 
 from __future__ import annotations
@@ -35,42 +32,48 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+RESULTS = Path(__file__).resolve().parent / "results"
 # Baselines first, then the Pallas backends, then anything else in name order.
 _IMPLEMENTATION_ORDER = ("xla", "cudnn", "triton", "mosaic", "auto")
+# A results file's top-level keys (``benchmarks.harness.SCHEMA_KEYS``; repeated here so
+# reading needs no JAX).
+_SCHEMA_KEYS = frozenset(("device", "jax", "date", "command", "ceilings", "rows"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """One module's results from one file.
+    """One results file: one module's rows on one device.
 
     Attributes:
-      source: the JSON file it came from.
-      module: the benchmark module (``ssd``, ``conv1d``, ...; for a single-module file, its
-        name without the device suffix).
-      title: the module's title.
-      device: the device the numbers were measured on.
-      ceilings: measured ``copy_gbps`` and ``matmul_tflops`` (empty if the module failed).
+      source: the JSON file.
+      module: the benchmark module (the file's name: ``ssd``, ``conv1d``, ``model``, ...).
+      device: the device the numbers were measured on (``NVIDIA H200``, ``2 x NVIDIA H200``).
+      date: the day of the run (rows kept from earlier runs carry their own ``date``).
+      command: the command line of the run.
+      ceilings: measured ``copy_gbps`` and ``matmul_tflops`` (empty where none were).
       rows: the result rows.
-      error: why the module produced no rows (combined files only), else None.
-      log: the tail of a failed module's output, else None.
-      serving: ``benchmarks.serving``'s trace, engine, run and per-request times, else
-        None.
     """
 
     source: Path
     module: str
-    title: str
     device: str
+    date: str
+    command: str
     ceilings: dict[str, float]
     rows: tuple[dict[str, Any], ...]
-    error: str | None = None
-    log: str | None = None
-    serving: dict[str, Any] | None = None
+
+    @property
+    def title(self) -> str:
+        return f"benchmarks.{self.module}, {self.date}"
+
+    def timed(self) -> list[dict[str, Any]]:
+        """The rows with a time, tiling sweeps left out: what the plots show."""
+        return [r for r in self.rows if "median_ms" in r and not r.get("sweep")]
 
     def ops(self) -> dict[str, list[dict[str, Any]]]:
-        """Rows grouped by op (a row's ``op`` field, else the module name), in order."""
+        """Timed rows grouped by op (a row's ``op`` field, else the module name), in order."""
         groups: dict[str, list[dict[str, Any]]] = {}
-        for row in self.rows:
+        for row in self.timed():
             groups.setdefault(str(row.get("op", self.module)), []).append(row)
         return groups
 
@@ -80,53 +83,38 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") or "unknown"
 
 
-def _report(source: Path, module: str, payload: dict[str, Any], device: str) -> Report:
+def load(path: str | Path) -> Report:
+    """The report of one results file; ``ValueError`` for a JSON of another shape."""
+    path = Path(path)
+    payload = json.loads(path.read_text())
+    if not isinstance(payload, dict) or set(payload) != _SCHEMA_KEYS:
+        keys = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{path}: not a benchmark result (keys {keys})")
     return Report(
-        source=source,
-        module=module,
-        title=str(payload.get("title", module)),
-        device=str(payload.get("device", device)),
-        ceilings=dict(payload.get("ceilings") or {}),
-        rows=tuple(payload.get("rows") or ()),
-        error=payload.get("error"),
-        log=payload.get("log"),
-        serving=payload.get("serving"),
+        source=path,
+        module=path.stem,
+        device=str(payload["device"]),
+        date=str(payload["date"]),
+        command=str(payload["command"]),
+        ceilings=dict(payload["ceilings"] or {}),
+        rows=tuple(payload["rows"]),
     )
 
 
-def load(path: str | Path) -> list[Report]:
-    """The reports in one JSON file (either shape); ``ValueError`` for any other JSON."""
-    path = Path(path)
-    payload = json.loads(path.read_text())
-    if not isinstance(payload, dict):
-        raise ValueError(f"{path}: not a benchmark result (a JSON object expected)")
-    device = str(payload.get("device", "unknown"))
-    if isinstance(payload.get("modules"), dict):
-        return [_report(path, name, entry, device) for name, entry in payload["modules"].items()]
-    if isinstance(payload.get("rows"), list):
-        module = path.stem.removesuffix(f"_{slug(device)}")
-        return [_report(path, module, payload, device)]
-    runs = payload.get("runs")
-    if isinstance(runs, list) and all(isinstance(r, dict) for r in runs):
-        module = path.stem.removesuffix(f"_{slug(device)}")
-        return [_report(path, f"{module}[{i}]", run, device) for i, run in enumerate(runs)]
-    raise ValueError(f"{path}: not a benchmark result (no 'rows', 'modules' or 'runs')")
-
-
-def load_all(paths: Iterable[str | Path]) -> tuple[list[Report], list[str]]:
-    """Reports from files and directories (every ``*.json`` in a directory, sorted).
+def load_all(paths: Iterable[str | Path] = (RESULTS,)) -> tuple[list[Report], list[str]]:
+    """Reports from files and directories (every ``*.json`` under a directory, sorted).
 
     Returns:
       ``(reports, skipped)``: the reports, and one line per file that could not be read.
     """
     files: list[Path] = []
     for path in map(Path, paths):
-        files += sorted(path.glob("*.json")) if path.is_dir() else [path]
+        files += sorted(path.rglob("*.json")) if path.is_dir() else [path]
     reports: list[Report] = []
     skipped: list[str] = []
     for file in files:
         try:
-            reports += load(file)
+            reports.append(load(file))
         except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
             skipped.append(f"{file}: {error}")
     return reports, skipped
@@ -251,11 +239,11 @@ def overview(reports: Sequence[Report]) -> Figure:
     several_files = len({r.source for r in reports}) > 1
     entries = []  # (label, implementation, speedup, roofline fraction)
     for report in reports:
-        for r in report.rows:
+        for r in report.timed():
             if r["implementation"] != "xla":
                 label = f"{report.module}: {r['problem']}"
                 if several_files:
-                    label = f"{report.source.name} {label}"
+                    label = f"{report.source.parent.name}/{report.source.name} {label}"
                 roof = r.get("roofline_fraction") if r.get("roofline_ms") else None
                 entries.append((label, r["implementation"], r.get("speedup_vs_xla"), roof))
     labels = list(dict.fromkeys(e[0] for e in entries))
@@ -345,29 +333,31 @@ def _color(impl: str, impls: Sequence[str]) -> str:
 
 
 def figures(report: Report) -> dict[str, Figure]:
-    """One figure per op of ``report`` (none for a failed module), and ``serving_latency``
-    for a serving trace's report."""
-    result = {
-        op: plot_op(
-            rows, title=f"{op}: {report.title} on {report.device}", ceilings=report.ceilings
-        )
-        for op, rows in report.ops().items()
-    }
-    if report.serving and report.serving.get("requests"):
-        title = f"{report.title} on {report.device}"
-        result["serving_latency"] = plot_serving(report.serving, title=title)
+    """One figure per op of ``report``, named as its PNG (without ``.png``), and one
+    ``serving_<policy>_latency`` for each serving trace's row."""
+    result = {}
+    for op, rows in report.ops().items():
+        name = report.module if slug(op) == report.module else f"{report.module}_{slug(op)}"
+        title = f"{op}: {report.title} on {report.device}"
+        result[name] = plot_op(rows, title=title, ceilings=report.ceilings)
+    for row in report.rows:
+        serving = row.get("serving") or {}
+        if serving.get("requests"):
+            policy = slug(row["problem"].rsplit("/", 1)[-1])
+            title = f"{row['problem']}: {report.title} on {report.device}"
+            result[f"serving_{policy}_latency"] = plot_serving(serving, title=title)
     return result
 
 
-def save_plots(reports: Iterable[Report], out_dir: str | Path) -> list[Path]:
-    """Writes ``<json stem>_<op>.png`` for every op of every report (``nvidia_h200_ssd.png``
-    for a ``run_all`` file ``nvidia_h200.json``); returns the paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def save_plots(reports: Iterable[Report], out_dir: str | Path | None = None) -> list[Path]:
+    """Writes every figure of every report as ``<name>.png`` beside its JSON (or in
+    ``out_dir``); returns the paths."""
     written = []
     for report in reports:
-        for op, fig in figures(report).items():
-            path = out_dir / f"{report.source.stem}_{slug(op)}.png"
+        directory = report.source.parent if out_dir is None else Path(out_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, fig in figures(report).items():
+            path = directory / f"{name}.png"
             fig.savefig(path, dpi=120)
             written.append(path)
     return written
@@ -375,18 +365,15 @@ def save_plots(reports: Iterable[Report], out_dir: str | Path) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description="PNG plots of benchmark JSON results")
-    parser.add_argument("paths", nargs="+", help="JSON files or directories of them")
-    parser.add_argument("--out-dir", default=None, help="default: next to each JSON file")
+    parser.add_argument(
+        "paths", nargs="*", default=[str(RESULTS)], help="JSON files or directories of them"
+    )
+    parser.add_argument("--out-dir", default=None, help="default: beside each JSON file")
     args = parser.parse_args(argv)
     reports, skipped = load_all(args.paths)
     for line in skipped:
         print(f"skipped {line}")
-    written: list[Path] = []
-    for report in reports:
-        if report.error:
-            print(f"{report.source}: {report.module} failed: {report.error}")
-            continue
-        written += save_plots([report], args.out_dir or report.source.parent)
+    written = save_plots(reports, args.out_dir)
     for path in written:
         print(f"wrote {path}")
     return written

@@ -1,8 +1,8 @@
 """Prefix caching benchmark: Bamba-9B's shape (random init, bf16) served with and without
 a prefix cache.
 
-``PYTHONPATH=. python3 -m benchmarks.prefix [--out prefix.json] [--quick]``. Two traces,
-each run twice on one engine (``Engine(prefix_caching=True)``; the uncached run switches
+``PYTHONPATH=. python3 -m benchmarks.prefix [--out FILE] [--results-dir DIR] [--quick]``. Two
+traces, each run twice on one engine (``Engine(prefix_caching=True)``; the uncached run switches
 lookups and publishing off with ``use_prefix_cache(False)``, same compiled programs, so
 both runs time the same kernels and only the work skipped differs). The uncached run is a
 baseline of the lookups, not an engine built without prefix caching: its Mamba prefill
@@ -21,7 +21,8 @@ run, writing no entry), which a ``prefix_caching=False`` engine's plain scan doe
 Rows: total prefill time (the engine's ``prefill_seconds``: step time shared by tokens,
 decode excluded), prompt tokens and those computed, hit rate (prompt tokens taken from the
 cache / prompt tokens), TTFT p50/p99 (from the generation's start to each request's first
-token, queueing included) and wall time. The JSON is rewritten after each run.
+token, queueing included) and wall time, one per trace and run (``bamba-9b/chat/cached``);
+the JSON (the harness's schema, no ceilings) is rewritten after each trace.
 """
 
 from __future__ import annotations
@@ -31,17 +32,15 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from benchmarks import harness
 from flax_models.config import HybridConfig
-from flax_models.engine import Engine
 from flax_models.model import HybridLM
+from flax_models.serving.engine import Engine
 from flax_models.serving.sampling import SamplingParams
 
 # Trace sizes: (full run, --quick CPU smoke run).
@@ -169,65 +168,71 @@ def chat(engine: Engine, rng: np.random.Generator, sizes: dict) -> dict:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> list[dict]:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
-    args = harness.parse_args(argv, "prefix caching benchmark")
+    args = harness.parse_args(argv, "prefix caching benchmark", module="prefix")
     mode = "quick" if args.quick else "full"
+    model = "tiny" if args.quick else "bamba-9b"
     cfg = HybridConfig.tiny() if args.quick else HybridConfig.bamba_9b()
     dtype = jnp.float32 if args.quick else jnp.bfloat16
-    result: dict = dict(
-        model="tiny" if args.quick else "bamba-9b",
+    # What every row carries: the engine (one for both traces) and its start-up.
+    setup: dict = dict(
+        model=model,
         dtype=jnp.dtype(dtype).name,
-        device=str(jax.devices()[0].device_kind),
-        jax=jax.__version__,
         engine={
             k: list(v) if isinstance(v, tuple) else v for k, v in engine_options(args.quick).items()
         },
     )
-
-    def save() -> None:
-        if args.out is not None:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+    rows: list[dict] = []
 
     start = time.perf_counter()
-    model = HybridLM(cfg, dtype=dtype, implementation="auto", rngs=nnx.Rngs(0))
-    engine = Engine(model, **engine_options(args.quick))
-    result["block_size"] = engine.block_size
-    result["init_s"] = time.perf_counter() - start
+    hybrid = HybridLM(cfg, dtype=dtype, implementation="auto", rngs=nnx.Rngs(0))
+    engine = Engine(hybrid, **engine_options(args.quick))
+    setup["block_size"] = engine.block_size
+    setup["init_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    result["programs"] = engine.warmup()
-    result["compile_s"] = time.perf_counter() - start
-    init, programs, compile_s = result["init_s"], result["programs"], result["compile_s"]
+    setup["programs"] = engine.warmup()
+    setup["compile_s"] = time.perf_counter() - start
+    init, programs, compile_s = setup["init_s"], setup["programs"], setup["compile_s"]
     print(f"init {init:.1f} s, {programs} programs in {compile_s:.1f} s", flush=True)
-    save()
 
+    # One row per trace and run (``<model>/<trace>/uncached``, ``.../cached``); the cached
+    # row also compares the two. The JSON is rewritten after each trace.
     rng = np.random.default_rng(0)
     for name, trace, sizes in (("shared-prefix", shared_prefix, SHARED), ("chat", chat, CHAT)):
-        rows = trace(engine, rng, sizes[mode])
-        tokens = [rows[k].pop("tokens") for k in ("uncached", "cached")]
-        rows["same_tokens"] = tokens[0] == tokens[1]
-        rows["prefill_speedup"] = rows["uncached"]["prefill_s"] / rows["cached"]["prefill_s"]
-        result[name] = rows
-        save()
-        _print(name, rows)
-    if "shared-prefix" in result:
-        shared = result["shared-prefix"]
-        result["targets"] = dict(
-            prefill_ratio=1 / shared["prefill_speedup"],
-            prefill_ratio_ok=shared["prefill_speedup"] >= 8,
-            later_hits_ok=shared["cached"]["min_later_prefix_hit"]
-            >= (3840 if not args.quick else 0),
-        )
-    result["peak_bytes"] = harness.peak_bytes()
-    save()
-    print(json.dumps(result.get("targets"), indent=1))
-    return result
+        runs = trace(engine, rng, sizes[mode])
+        tokens = [runs[k].pop("tokens") for k in ("uncached", "cached")]
+        cached = runs["cached"]
+        cached["same_tokens"] = tokens[0] == tokens[1]
+        cached["prefill_speedup"] = runs["uncached"]["prefill_s"] / cached["prefill_s"]
+        if name == "shared-prefix":
+            cached["targets"] = dict(
+                prefill_ratio=1 / cached["prefill_speedup"],
+                prefill_ratio_ok=cached["prefill_speedup"] >= 8,
+                later_hits_ok=cached["min_later_prefix_hit"] >= (3840 if not args.quick else 0),
+            )
+        for run in ("uncached", "cached"):
+            rows.append(
+                dict(
+                    problem=f"{model}/{name}/{run}",
+                    implementation="auto",
+                    trace=name,
+                    prefix_cache=run == "cached",
+                    **runs[run],
+                    **setup,
+                    peak_bytes=harness.peak_bytes(),
+                )
+            )
+        harness.write_report(rows, None, args.output)
+        _print(name, runs)
+    print(json.dumps(rows[1].get("targets"), indent=1))
+    return rows
 
 
 def _print(name: str, rows: dict) -> None:
-    speedup = rows["prefill_speedup"]
-    print(f"\n## {name} (same tokens: {rows['same_tokens']}, prefill speedup {speedup:.1f}x)")
+    speedup = rows["cached"]["prefill_speedup"]
+    same = rows["cached"]["same_tokens"]
+    print(f"\n## {name} (same tokens: {same}, prefill speedup {speedup:.1f}x)")
     print(
         f"{'run':<10}{'prefill s':>10}{'computed':>10}{'prompt':>10}{'hit rate':>10}"
         f"{'TTFT p50 ms':>13}{'p99 ms':>10}{'wall s':>8}"

@@ -1,34 +1,26 @@
-"""Runs every benchmark module; writes one combined JSON and one PNG plot per op.
+"""Runs benchmark modules one after another into the results store; plots each file.
 
 ``python -m benchmarks.run_all [--quick] [--out-dir DIR] [--modules ssd conv1d ...]
-[--timeout SECONDS] [--fresh]``
+[--timeout SECONDS]``
 
-Each module runs in its own process, ``python -m benchmarks.<module> --out FILE``, so a
-module that raises, runs out of memory or hangs past ``--timeout`` is recorded with its
-error and the log's tail while the others still run, and each starts on a device no earlier
-module holds memory on. The combined file ``<out-dir>/<device>.json`` (the device name
-slugified, e.g. ``nvidia_h200.json``) holds::
-
-    {"title", "device", "platform", "jax", "host", "quick",
-     "modules": {"ssd": <the report benchmarks.harness.report writes + "seconds", "started">,
-                 "attention": {"error", "log", "seconds", "started"}, ...}}
-
-It is rewritten after every module, so an interrupted run keeps what finished, and a run of
-some modules keeps the others' entries from an earlier run (``--fresh`` drops them). Plots go
-next to it, ``<device>_<op>.png`` (``benchmarks.plots``; skipped with a note when
-matplotlib is missing). The output directory defaults to ``benchmarks/results``; with
-``--quick`` (tiny shapes, a CPU smoke run) to a fresh temporary directory, so a smoke run
-never overwrites GPU results.
+Each module runs in its own process, ``python -m benchmarks.<module> --results-dir DIR``,
+and writes ``DIR/<device>/<module>.json`` itself (``benchmarks.harness``'s one schema;
+rows of an earlier run there that this one does not measure again are kept), so a module
+that raises, runs out of memory or hangs past ``--timeout`` leaves the others' files and
+its own earlier one, and each module starts on a device no earlier module holds memory on.
+A failed module is reported with its log's tail. The PNG plots go beside each JSON
+(``benchmarks.plots``; skipped with a note when matplotlib is missing). ``DIR`` defaults to
+``benchmarks/results``; with ``--quick`` (tiny shapes, a CPU smoke run) to a fresh
+temporary directory, so a smoke run never overwrites GPU results.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
+import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -36,11 +28,12 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from benchmarks import plots
 
-MODULES = ("ssd", "conv1d", "attention", "grouped_matmul", "model")
+MODULES = ("ssd", "conv1d", "attention", "grouped_matmul", "model")  # the default run
+# Every module that writes to the store (serving, prefix and train take minutes to hours).
+ALL_MODULES = (*MODULES, "serving", "prefix", "train")
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 LOG_TAIL_LINES = 40
@@ -101,14 +94,26 @@ def probe_device(timeout_s: float = 300.0) -> dict[str, str]:
     return json.loads(lines[-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One module's run: the results file it wrote (None if it failed), or why not."""
+
+    module: str
+    path: Path | None
+    seconds: float
+    error: str | None = None
+    log: str | None = None
+
+
 def run_module(
-    name: str, *, quick: bool, json_path: Path, timeout_s: float, echo: bool = True
-) -> dict[str, Any]:
-    """Runs ``benchmarks.<name>`` in a child process; returns its report (the JSON it
-    wrote, plus ``seconds``) or ``{"error", "log", "seconds"}``."""
-    command = [sys.executable, "-m", f"benchmarks.{name}", "--out", str(json_path)]
+    name: str, *, quick: bool, out_dir: Path, device: str, timeout_s: float, echo: bool = True
+) -> Outcome:
+    """Runs ``benchmarks.<name> --results-dir out_dir`` in a child process."""
+    command = [sys.executable, "-m", f"benchmarks.{name}", "--results-dir", str(out_dir)]
     if quick:
         command.append("--quick")
+    path = out_dir / device / f"{name}.json"
+    before = path.stat().st_mtime_ns if path.exists() else None
     start = time.perf_counter()
     status, log = _run(command, timeout_s=timeout_s, echo=echo)
     seconds = time.perf_counter() - start
@@ -118,11 +123,11 @@ def run_module(
         error = f"killed by signal {-status}"  # 9: often the kernel's out-of-memory killer
     elif status != 0:
         error = f"exit status {status}"
-    elif not json_path.exists():
-        error = "exited 0 but wrote no JSON"
+    elif not path.exists() or path.stat().st_mtime_ns == before:
+        error = f"exited 0 but wrote no {path}"
     else:
-        return json.loads(json_path.read_text()) | dict(seconds=seconds)
-    return dict(error=error, log=log, seconds=seconds)
+        return Outcome(name, path, seconds)
+    return Outcome(name, None, seconds, error=error, log=log)
 
 
 def run(
@@ -131,77 +136,49 @@ def run(
     quick: bool = False,
     out_dir: str | Path | None = None,
     timeout_s: float = 1200.0,
-    fresh: bool = False,
     echo: bool = True,
-) -> Path:
-    """Runs ``modules`` one after another; returns the combined JSON's path.
-
-    Modules not run this time are kept from an existing combined file of the same device
-    (unless ``fresh``), so a long run can be split into several calls."""
+) -> list[Outcome]:
+    """Runs ``modules`` one after another into ``out_dir/<device>/``, then plots the files
+    they wrote; returns each module's outcome."""
     if out_dir is None:
         out_dir = tempfile.mkdtemp(prefix="benchmarks_quick_") if quick else RESULTS
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = probe_device()
-    path = out_dir / f"{plots.slug(device['device'])}.json"
-    kept: dict[str, Any] = {}
-    if path.exists() and not fresh:
-        earlier = json.loads(path.read_text())
-        kept = {k: v for k, v in earlier.get("modules", {}).items() if k not in modules}
-        if kept:
-            print(f"keeping {sorted(kept)} from the earlier run in {path}")
-    payload: dict[str, Any] = dict(
-        title="pallas_kernels benchmarks",
-        **device,
-        host=platform.node(),
-        quick=quick,
-        modules=kept,
-    )
-    with tempfile.TemporaryDirectory(prefix="benchmarks_") as scratch:
-        for name in modules:
-            print(f"\n=== benchmarks.{name} ===", flush=True)
-            started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-            result = run_module(
-                name,
-                quick=quick,
-                json_path=Path(scratch) / f"{name}.json",
-                timeout_s=timeout_s,
-                echo=echo,
+    device = plots.slug(probe_device()["device"])
+    outcomes = []
+    for name in modules:
+        print(f"\n=== benchmarks.{name} ===", flush=True)
+        outcomes.append(
+            run_module(
+                name, quick=quick, out_dir=out_dir, device=device, timeout_s=timeout_s, echo=echo
             )
-            payload["modules"][name] = result | dict(started=started)
-            _write_json(path, payload)
-    print(f"\n## {path}")
-    for name, result in payload["modules"].items():
-        outcome = (
-            f"FAILED: {result['error']}" if "error" in result else f"{len(result['rows'])} rows"
         )
-        print(f"  {name:<10} {outcome} ({result['seconds']:.0f} s)")
-    _plot(path)
-    return path
+    print(f"\n## {out_dir / device}")
+    for o in outcomes:
+        outcome = f"FAILED: {o.error}" if o.error else str(o.path)
+        print(f"  {o.module:<14} {outcome} ({o.seconds:.0f} s)")
+        if o.log and not echo:
+            print("    " + o.log.rstrip().replace("\n", "\n    "))
+    _plot([o.path for o in outcomes if o.path is not None])
+    return outcomes
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Writes then renames, so a run killed mid-write leaves the previous file intact."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(payload, indent=2))
-    partial.replace(path)
-
-
-def _plot(path: Path) -> list[Path]:
+def _plot(paths: Sequence[Path]) -> list[Path]:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print(f"matplotlib is not installed: no plots (later: python -m benchmarks.plots {path})")
+        print("matplotlib is not installed: no plots (later: python -m benchmarks.plots)")
         return []
-    reports = [r for r in plots.load(path) if not r.error]
-    written = plots.save_plots(reports, path.parent)
+    reports, skipped = plots.load_all(paths)
+    for line in skipped:
+        print(f"skipped {line}")
+    written = plots.save_plots(reports)
     for png in written:
         print(f"wrote {png}")
     return written
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description="every benchmark module, one combined JSON")
+def main(argv: Sequence[str] | None = None) -> list[Outcome]:
+    parser = argparse.ArgumentParser(description="benchmark modules into the results store")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument(
         "--out-dir",
@@ -209,15 +186,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
         help="default: benchmarks/results (with --quick: a fresh temporary directory)",
     )
     parser.add_argument(
-        "--modules", nargs="+", default=list(MODULES), choices=MODULES, metavar="MODULE"
+        "--modules", nargs="+", default=list(MODULES), choices=ALL_MODULES, metavar="MODULE"
     )
     parser.add_argument(
         "--timeout", type=float, default=1200.0, help="seconds per module (default 1200)"
-    )
-    parser.add_argument(
-        "--fresh",
-        action="store_true",
-        help="drop the modules an earlier run left in the combined file",
     )
     args = parser.parse_args(argv)
     return run(
@@ -225,7 +197,6 @@ def main(argv: Sequence[str] | None = None) -> Path:
         quick=args.quick,
         out_dir=args.out_dir,
         timeout_s=args.timeout,
-        fresh=args.fresh,
     )
 
 

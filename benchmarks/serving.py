@@ -1,8 +1,8 @@
 """Serving benchmark: an offline trace of 512 requests on Bamba-9B's shape (random init,
 bf16, ``implementation="auto"``) through one ``Engine.stream`` call.
 
-``python -m benchmarks.serving [--out serving.json] [--quick] [--bucket-policy pow2|sqrt2|
-linear] [--bucket-step N] [--max-slots N] [--decode-buckets ROWS ...]``.
+``python -m benchmarks.serving [--out FILE] [--results-dir DIR] [--quick] [--bucket-policy
+pow2|sqrt2|linear] [--bucket-step N] [--max-slots N] [--decode-buckets ROWS ...]``.
 
 The trace (seed 0, ``TRACES``): 512 requests, all submitted at t = 0 in one
 ``Engine.stream(prompts, [SamplingParams(max_new_tokens=n), ...])`` call (an offline
@@ -54,11 +54,13 @@ model stands in for the configuration, with the run's slots, ``max_len``, budget
 and KV block size). The measured run checks this: ``schedule_matches_analysis`` compares
 its ``step_buckets`` with the analysis of its own buckets.
 
-JSON: ``benchmarks.harness.report``'s (one row for the measured run: wall time against a
-roofline floor of the trace, see ``_cost``), plus ``serving``: the trace's parameters, the
-engine settings, the run's figures, ``bucket_policies`` and ``requests`` (per request:
+JSON: the harness's schema, one row per trace and bucket policy
+(``<model>/offline-<requests>/<policy>``: the measured run's wall time against a roofline
+floor of the trace, see ``_cost``), the row's ``serving`` holding the trace's parameters,
+the engine settings, the run's figures, ``bucket_policies`` and ``requests`` (per request:
 ``prompt_len``, ``output_len``, ``ttft_s``, ``tpot_s``) for ``benchmarks.plots``
-(``python -m benchmarks.plots serving.json``: TTFT and TPOT CDFs).
+(``python -m benchmarks.plots benchmarks/results/nvidia_h200/serving.json``: TTFT and TPOT
+CDFs).
 """
 
 from __future__ import annotations
@@ -66,12 +68,10 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -81,10 +81,10 @@ from flax import nnx
 
 import pallas_kernels as pk
 from benchmarks import harness
-from flax_models.batching import StepArrays
 from flax_models.config import HybridConfig
-from flax_models.engine import DEFAULT_TOKEN_BUCKET_POLICY, Engine
 from flax_models.model import HybridLM
+from flax_models.serving.batching import StepArrays
+from flax_models.serving.engine import DEFAULT_TOKEN_BUCKET_POLICY, Engine
 from flax_models.serving.sampling import SamplingParams
 
 # The traces (see the module docstring). Prompt lengths: round(exp(N(log median, sigma²)))
@@ -357,13 +357,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="decode-row buckets (powers of two up to --max-slots by default)",
     )
     own, rest = parser.parse_known_args(argv)
-    args = harness.parse_args(rest, "offline serving trace (TTFT, TPOT, throughput)")
+    args = harness.parse_args(
+        rest, "offline serving trace (TTFT, TPOT, throughput)", module="serving", command=argv
+    )
     return argparse.Namespace(**vars(args), **vars(own))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
-    args = _parse(sys.argv[1:] if argv is None else argv)
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
     quick = args.quick
     spec = TRACES["quick" if quick else "full"]
     name = "tiny" if quick else "bamba-9b"
@@ -393,24 +395,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         ),
     )
 
-    def save(rows: list[dict[str, Any]], ceilings: harness.Ceilings | None) -> None:
-        """The JSON so far (rewritten after each stage: a run cut short keeps the analysis)."""
-        if args.out is None:
-            return
-        if ceilings is None:
-            payload = dict(title=title, device=jax.devices()[0].device_kind, rows=rows)
-        else:
-            harness.report(title, rows, ceilings, args.out)
-            payload = json.loads(Path(args.out).read_text())
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload | dict(serving=serving), indent=1))
+    label = args.bucket_policy + ("" if args.bucket_step is None else f"-{args.bucket_step}")
+    problem = f"{name}/offline-{spec['requests']}/{label}"
+
+    def save(row: dict[str, Any], ceilings: harness.Ceilings | None) -> None:
+        """The JSON so far, the trace's one row with its ``serving`` record (rewritten after
+        each stage: a run cut short keeps the analysis)."""
+        harness.write_report([row | dict(serving=serving)], ceilings, args.output)
 
     # 1. The bucket policies, on the host (before the model takes the device's memory).
     start = time.perf_counter()
     analysis = bucket_analysis(lengths, outputs, options, block_size=block_size)
     serving.update(bucket_policies=analysis, bucket_analysis_s=time.perf_counter() - start)
     _print_analysis(analysis, serving["bucket_analysis_s"])
-    save([], None)
+    save(dict(problem=problem, implementation="auto", op="serving"), None)
     gc.collect()
 
     # 2. The model, the warm-up run (compiles) and the measured run.
@@ -459,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     )
     wall_ms = run["wall_s"] * 1e3
     row = harness.row(
-        f"{name}/offline-{spec['requests']}",
+        problem,
         "auto",
         harness.Timing(wall_ms, wall_ms, wall_ms),
         flops=flops,
@@ -482,9 +480,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             for p, o, t, s in zip(lengths, outputs, run["ttft_s"], run["tpot_s"], strict=True)
         ],
     )
-    save([row], ceilings)
-    if args.out is None:
-        harness.report(title, [row], ceilings, None)
+    harness.report(title, [row], ceilings, None)
+    save(row, ceilings)
     _print_run(figures)
     return [row]
 

@@ -1,7 +1,8 @@
 """SSD prefill (``ssd_scan``) and decode (``selective_state_update``) benchmarks.
 
-``python -m benchmarks.ssd [--out results.json] [--quick]``. Problems are Bamba-9B and
-Nemotron-H shaped (H=128, P=64, N=128); ``--quick`` shrinks them for a CPU smoke run.
+``python -m benchmarks.ssd [--out FILE] [--results-dir DIR] [--quick]``. Problems
+are Bamba-9B and Nemotron-H shaped (H=128, P=64, N=128); ``--quick`` shrinks them for a CPU
+smoke run.
 FLOPs and bytes are counted here from the chunk layout (useful work of real chunks only).
 """
 
@@ -204,7 +205,7 @@ def bench_decode(p: DecodeProblem, ceilings: harness.Ceilings) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    args = harness.parse_args(argv, "SSD prefill and decode benchmarks")
+    args = harness.parse_args(argv, "SSD prefill and decode benchmarks", module="ssd")
     ceilings = harness.measure_ceilings(quick=args.quick)
     rows = []
     for p in prefill_problems(args.quick):
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         if harness.selected(p.name, args.only):
             rows += bench_decode(p, ceilings)
     harness.add_speedups(rows)
-    harness.report("ssd_scan / selective_state_update", rows, ceilings, args.out)
+    harness.report("ssd_scan / selective_state_update", rows, ceilings, args.output)
     return rows
 
 

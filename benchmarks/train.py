@@ -1,6 +1,7 @@
 """Training benchmarks: kernels forward + backward, and a train step of a 1.3B hybrid.
 
-``python -m benchmarks.train [--out results.json] [--quick] [--only ssd,attention,train]``;
+``python -m benchmarks.train [--out FILE] [--results-dir DIR] [--quick]
+[--only ssd,attention,train]``;
 sections (``--only`` takes names separated by commas or spaces; default all):
 
 * ``ssd``: ``ssd_scan`` forward + backward (``jax.vjp`` with a random bf16 cotangent of y:
@@ -36,11 +37,10 @@ so a run cut short keeps what finished.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
-import io
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -75,7 +75,7 @@ REMAT: Final = {
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="write the JSON here (after every row)")
+    harness.add_output_arguments(parser)  # the JSON, rewritten after every row
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument(
         "--only",
@@ -90,7 +90,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="block",
         help="the train step's rematerialisation (HybridLM(remat=)); default block",
     )
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.output = harness.output_for(args, "train", argv)
     if args.only is not None:
         args.only = [name for item in args.only for name in item.split(",") if name]
         unknown = sorted(set(args.only) - set(SECTIONS))
@@ -104,7 +106,7 @@ class Results:
     """The rows so far; every :meth:`add` rewrites the JSON (``harness.report``'s format)."""
 
     ceilings: harness.Ceilings
-    out: str | None
+    output: harness.Output
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def add(self, row: dict[str, Any]) -> None:
@@ -112,9 +114,7 @@ class Results:
         harness.add_speedups(self.rows)
         extra = f", {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else ""
         print(f"{row['problem']} {row['implementation']}: {row['median_ms']:.3f} ms{extra}")
-        if self.out is not None:  # harness.report writes the JSON; its table is for the end
-            with contextlib.redirect_stdout(io.StringIO()):
-                harness.report(TITLE, self.rows, self.ceilings, self.out)
+        harness.write_report(self.rows, self.ceilings, self.output)  # the table: at the end
 
 
 def _kernel_implementations(op: Any, call: Callable[[str], Any]) -> list[str]:
@@ -443,7 +443,7 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     sections = args.only or list(SECTIONS)
-    results = Results(harness.measure_ceilings(quick=args.quick), args.out)
+    results = Results(harness.measure_ceilings(quick=args.quick), args.output)
     if "ssd" in sections:
         for p in ssd_problems(args.quick):
             bench_ssd(p, results)
@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if "train" in sections:
         bench_train(args, results)
     harness.add_speedups(results.rows)
-    harness.report(TITLE, results.rows, results.ceilings, args.out)
+    harness.report(TITLE, results.rows, results.ceilings, args.output)
     for r in results.rows:
         if "tokens_per_s" in r:
             print(

@@ -40,7 +40,9 @@ def test_ssd_benchmark_quick(tmp_path):
     out = tmp_path / "ssd.json"
     rows = ssd_benchmark.main(["--quick", "--out", str(out)])
     payload = json.loads(out.read_text())
+    harness.check_schema(payload)
     assert payload["rows"] == json.loads(json.dumps(rows))
+    assert payload["command"] == f"python -m benchmarks.ssd --quick --out {out}"
     for r in rows:
         assert r["median_ms"] > 0 and r["roofline_fraction"] > 0
         assert r["speedup_vs_xla"] > 0
@@ -117,64 +119,69 @@ def test_serving_benchmark_quick(tmp_path):
     out = tmp_path / "serving.json"
     rows = serving_benchmark.main(["--quick", "--out", str(out)])
     payload = json.loads(out.read_text())
-    assert payload["rows"] == json.loads(json.dumps(rows))
+    harness.check_schema(payload)
+    (written,) = payload["rows"]
+    serving = written.pop("serving")
+    assert [written] == json.loads(json.dumps(rows))
     (row,) = rows
+    assert row["problem"] == "tiny/offline-32/sqrt2"
     assert row["op"] == "serving" and row["median_ms"] > 0 and row["roofline_fraction"] > 0
     assert row["compiles_in_measured_run"] == 0 and row["compiles_in_warmup_run"] > 0
     assert row["schedule_matches_analysis"] is True
     assert 0 <= row["padding_fraction"] < 1 and row["output_tokens_per_s"] > 0
-    serving = payload["serving"]
     requests = serving["requests"]
     assert len(requests) == serving["trace"]["requests"]
     assert sum(r["output_len"] for r in requests) == row["decode_tokens"] + len(requests)
     assert all(r["ttft_s"] > 0 and r["tpot_s"] >= 0 for r in requests)
     assert {a["policy"] for a in serving["bucket_policies"]} >= {"pow2", "sqrt2"}
     if importlib.util.find_spec("matplotlib") is not None:
-        (report,) = plots.load(out)
-        assert report.serving is not None
-        paths = plots.save_plots([report], tmp_path)
-        assert {p.name for p in paths} >= {"serving_serving_latency.png"}
+        paths = plots.save_plots([plots.load(out)], tmp_path)
+        assert {p.name for p in paths} >= {"serving_sqrt2_latency.png"}
 
 
-def test_plots_read_gathered_runs(tmp_path):
-    """A file of several runs gives one report per run, each with its own rows and
-    ceilings; a file of none of the shapes is refused."""
-    run = dict(title="t", ceilings=dict(copy_gbps=1.0, matmul_tflops=2.0))
-    rows = [dict(problem="p", implementation="auto", median_ms=1.0)]
-    path = tmp_path / "gathered.json"
-    path.write_text(json.dumps(dict(device="D", runs=[run | dict(rows=rows), run | dict(rows=[])])))
-    reports = plots.load(path)
-    assert [r.module for r in reports] == ["gathered[0]", "gathered[1]"]
-    assert reports[0].rows == tuple(rows) and reports[1].rows == ()
-    assert reports[0].device == "D" and reports[0].ceilings["copy_gbps"] == 1.0
-    (tmp_path / "other.json").write_text(json.dumps(dict(runs="no")))
-    with pytest.raises(ValueError, match="not a benchmark result"):
-        plots.load(tmp_path / "other.json")
+def test_results_dir_keeps_the_rows_a_run_does_not_measure_again(tmp_path):
+    """``--results-dir``: ``<dir>/<device>/<module>.json``; a second run of one problem
+    replaces that problem's rows and keeps the others, each with its own run's date,
+    command and ceilings."""
+    ssd_benchmark.main(["--quick", "--results-dir", str(tmp_path)])
+    path = harness.results_path("ssd", harness.device_name(), tmp_path)
+    first = json.loads(path.read_text())
+    harness.check_schema(first, path)
+    (decode,) = {p.name for p in ssd_benchmark.decode_problems(quick=True)}
+    ssd_benchmark.main(["--quick", "--only", decode, "--results-dir", str(tmp_path)])
+    second = json.loads(path.read_text())
+    harness.check_schema(second, path)
+    assert second["command"].endswith(f"--only {decode} --results-dir {tmp_path}")
+    assert sorted(map(harness._row_key, first["rows"])) == sorted(
+        map(harness._row_key, second["rows"])
+    )
+    for r in second["rows"]:
+        # This run's rows carry nothing of their own; the kept ones their run's.
+        assert ("command" in r) == (r["problem"] != decode), r
+        if r["problem"] != decode:
+            assert r["command"] == first["command"] and r["ceilings"] == first["ceilings"]
+    (report,) = plots.load_all([tmp_path])[0]
+    assert report.module == "ssd" and len(report.rows) == len(second["rows"])
 
 
 def test_run_all_quick_keeps_going_past_a_failing_module(tmp_path, monkeypatch):
     """One cheap module (each module's own smoke test is above) and one that cannot start:
-    the combined JSON holds the first's report and the second's error, and plots the first."""
+    the first writes ``<device>/conv1d.json`` (and its plots), the second is reported with
+    its error and log and writes nothing."""
     for name, value in fast_compile_env(os.environ).items():  # inherited by the modules
         monkeypatch.setenv(name, value)
-    path = run_all.run(("conv1d", "no_such_module"), quick=True, out_dir=tmp_path, echo=False)
-    payload = json.loads(path.read_text())
-    assert path.name == f"{plots.slug(payload['device'])}.json"
-    assert list(payload["modules"]) == ["conv1d", "no_such_module"]
-    failed = payload["modules"]["no_such_module"]
-    assert "exit status" in failed["error"] and "no_such_module" in failed["log"]
-    reports = {r.module: r for r in plots.load(path)}
-    assert reports["no_such_module"].error and not reports["no_such_module"].rows
-    rows = reports["conv1d"].rows
-    assert {r["implementation"] for r in rows} >= {"xla", "triton"}
-    assert all(r["median_ms"] > 0 for r in rows)
+    ok, failed = run_all.run(("conv1d", "no_such_module"), quick=True, out_dir=tmp_path, echo=False)
+    assert ok.error is None and ok.path == tmp_path / ok.path.parent.name / "conv1d.json"
+    assert "exit status" in failed.error and "no_such_module" in failed.log
+    assert failed.path is None
+    assert sorted(p.name for p in tmp_path.rglob("*.json")) == ["conv1d.json"]
+    report = plots.load(ok.path)
+    assert {r["implementation"] for r in report.rows} >= {"xla", "triton"}
+    assert all(r["median_ms"] > 0 for r in report.rows)
     if importlib.util.find_spec("matplotlib") is not None:
         # One plot per op of the module (rows carry their op).
         for op in ("causal_conv1d", "causal_conv1d_update", "gated_rms_norm"):
-            assert (tmp_path / f"{plots.slug(payload['device'])}_{op}.png").stat().st_size > 0
-    # A second run of one module keeps the other's entry.
-    run_all.run(("no_such_module",), quick=True, out_dir=tmp_path, echo=False)
-    assert list(json.loads(path.read_text())["modules"]) == ["conv1d", "no_such_module"]
+            assert (ok.path.parent / f"conv1d_{op}.png").stat().st_size > 0
 
 
 def test_time_fn_runs_process_zeros_call_count(monkeypatch):

@@ -5,8 +5,9 @@
 #   [STAGES="tests demo bench"] [BENCHMARKS="ssd conv1d attention model"] \
 #   [BENCH_TIMEOUT=300] [TESTS_TIMEOUT=3000] tools/gpu_check.sh OUT_DIR [pytest args...]
 #
-# Writes env.txt, tests.log, demo.log, bench.log and, through benchmarks.run_all,
-# results/<device>.json with its PNG plots under OUT_DIR (copy them to benchmarks/results/).
+# Writes env.txt, tests.log, demo.log, bench.log and, through benchmarks.run_all, the
+# results store results/<device>/<module>.json with its PNG plots under OUT_DIR (copy
+# results/ over benchmarks/results/ to commit them).
 # Exits non-zero when the tests fail (later stages still run, so one call gives everything).
 set -uo pipefail
 out=${1:?usage: tools/gpu_check.sh OUT_DIR [pytest args...]}
@@ -41,10 +42,10 @@ for stage in $stages; do
       tail -n 30 "$out/demo.log"
       ;;
     bench)
-      # One module per call, so each gets its own time limit; run_all merges them into
-      # the committed results, so a run of some modules keeps the others' rows.
+      # One module per call, so each gets its own time limit. Seeded with the committed
+      # store: a module keeps the rows of its earlier file that this run does not re-measure.
       mkdir -p "$out/results"
-      cp -n benchmarks/results/*.json "$out/results/" 2>/dev/null || true
+      cp -rn benchmarks/results/. "$out/results/" 2>/dev/null || true
       for module in $benchmarks; do
         timeout $((bench_timeout + 10)) $python -m benchmarks.run_all --out-dir "$out/results" \
           --modules "$module" --timeout "$bench_timeout" >> "$out/bench.log" 2>&1 \
