@@ -1,4 +1,4 @@
-"""Training a ``HybridLM``: next-token cross-entropy on padded or packed batches, a train step.
+"""Next-token cross-entropy of a ``HybridLM`` on padded or packed batches.
 
 A training batch is the dense layout of ``HybridLM.__call__``: ``input_ids[B, L]``, every
 row one sequence starting at position 0, **right**-padded to ``L``. The models are causal,
@@ -19,23 +19,19 @@ Packed batches waste no compute on padding: :func:`packed_loss_fn` takes ``token
 ``query_start_loc[B + 1]`` (the kernels' varlen layout, ``HybridLM.forward``) and gives
 the loss the same sequences would give padded.
 
-:func:`train_step` is one optimizer step: ``nnx.value_and_grad`` of the loss with respect to
-the model's ``nnx.Param`` leaves, then ``nnx.Optimizer.update`` (AdamW by default, from
-:func:`default_optimizer`), jitted with the model and optimizer donated (updated in place).
-Activation memory is set by the model's ``remat`` (``HybridLM(..., remat="block")``, or
-``model.remat = "block"`` on a loaded checkpoint).
+:func:`pack_documents` fills rows of a fixed length with several documents each, in that
+packed layout: a document's loss and gradients do not depend on its neighbours.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
 from flax_models.batch import make_forward_batch
 from flax_models.cache import init_cache
@@ -43,6 +39,8 @@ from flax_models.model import HybridLM
 
 # Labels equal to this score nothing (Hugging Face's and PyTorch's ``ignore_index``).
 IGNORE_INDEX: Final = -100
+
+LossFn = Callable[..., jax.Array]
 
 
 def pad_sequences(
@@ -163,88 +161,132 @@ def packed_loss_fn(
         model.cfg, num_slots=num_seqs, max_len=max_len, dtype=model.dtype, mesh=model.mesh
     )
     logits, _ = model.forward(tokens, batch, caches)
-    labels = tokens if labels is None else jnp.asarray(labels)
-    # A sequence's first token is no target of the row before it (the previous sequence's
-    # last); padding rows are no targets. (An empty sequence's start is the next one's.)
-    row = jnp.arange(num_tokens)
-    starts = jnp.zeros((num_tokens,), bool).at[qsl[:-1]].set(True, mode="drop")
-    labels = jnp.where(starts | (row >= qsl[-1]), IGNORE_INDEX, labels)
+    labels = packed_labels(tokens, qsl, labels)
     return next_token_cross_entropy(logits[None], labels[None])
 
 
-def default_optimizer(
-    learning_rate: float | optax.Schedule = 3e-4,
-    *,
-    weight_decay: float = 0.1,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    clip_norm: float | None = 1.0,
-) -> optax.GradientTransformation:
-    """AdamW (decoupled weight decay) after global-norm gradient clipping, the usual recipe
-    for language models, with its state in fp32 whatever the parameters' dtype
-    (:func:`fp32_state`)."""
-    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
-    if clip_norm is not None:
-        adamw = optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
-    return fp32_state(adamw)
+def packed_labels(tokens: jax.Array, query_start_loc: jax.Array, labels: jax.Array | None = None):
+    """The labels :func:`packed_loss_fn` scores, ``[T]``: ``labels`` (default ``tokens``)
+    with :data:`IGNORE_INDEX` at every sequence's first token (no target of the row before
+    it, the previous sequence's last) and at the padding rows from ``query_start_loc[B]``
+    on. (An empty sequence's start is the next one's.)"""
+    tokens = jnp.asarray(tokens)
+    qsl = jnp.asarray(query_start_loc, jnp.int32)
+    labels = tokens if labels is None else jnp.asarray(labels)
+    row = jnp.arange(tokens.shape[0])
+    starts = jnp.zeros(tokens.shape, bool).at[qsl[:-1]].set(True, mode="drop")
+    return jnp.where(starts | (row >= qsl[-1]), IGNORE_INDEX, labels)
 
 
-def fp32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` run in fp32: its state (Adam's moments) is created from fp32 copies of the
-    parameters, gradients and parameters are cast to fp32 before each update, and the
-    updates come back in the gradients' dtype. For bf16 parameters: the moments keep fp32
-    precision (optax would keep the second moment in the parameters' dtype); the
-    parameters themselves stay bf16."""
-
-    def fp32(tree):
-        return jax.tree.map(
-            lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-        )
-
-    def init(params):
-        return tx.init(fp32(params))
-
-    def update(updates, state, params=None):
-        new, state = tx.update(fp32(updates), state, None if params is None else fp32(params))
-        return jax.tree.map(lambda n, u: n.astype(u.dtype), new, updates), state
-
-    return optax.GradientTransformation(init, update)
+def scored_targets(batch: Sequence) -> int:
+    """How many targets a batch scores: ``(input_ids[B, L], labels[B, L] = input_ids)`` for
+    :func:`loss_fn`, ``(tokens[T], query_start_loc[B + 1], labels[T] = tokens)`` for
+    :func:`packed_loss_fn` (told apart by the first array's rank)."""
+    first = np.asarray(batch[0])
+    if first.ndim == 2:
+        labels = first if len(batch) < 2 or batch[1] is None else np.asarray(batch[1])
+        return int(np.sum(labels[:, 1:] != IGNORE_INDEX))
+    labels = np.asarray(packed_labels(*batch[:3]))
+    return int(np.sum(labels[1:] != IGNORE_INDEX))
 
 
-def make_optimizer(
-    model: HybridLM, tx: optax.GradientTransformation | None = None
-) -> nnx.Optimizer:
-    """An ``nnx.Optimizer`` over the model's ``nnx.Param`` leaves; ``tx`` defaults to
-    :func:`default_optimizer`."""
-    return nnx.Optimizer(model, default_optimizer() if tx is None else tx, wrt=nnx.Param)
+class PackedBatch(NamedTuple):
+    """Documents packed into ``R`` rows of ``L`` tokens, in :func:`packed_loss_fn`'s layout.
 
-
-LossFn = Callable[..., jax.Array]
-
-
-def _train_step(
-    model: HybridLM, optimizer: nnx.Optimizer, batch: tuple[jax.Array, ...], loss: LossFn
-) -> jax.Array:
-    value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.Param))(model, *batch)
-    optimizer.update(model, grads)
-    return value
-
-
-_train_step_jit = nnx.jit(_train_step, donate_argnums=(0, 1), static_argnames="loss")
-
-
-def train_step(
-    model: HybridLM, optimizer: nnx.Optimizer, *batch: jax.Array, loss: LossFn = loss_fn
-) -> jax.Array:
-    """One optimizer step on ``loss(model, *batch)``: the loss before the update, fp32.
-
-    ``batch`` defaults to :func:`loss_fn`'s ``input_ids[B, L]`` and optional
-    ``labels[B, L]``; for packed sequences pass ``tokens[T], query_start_loc[B + 1]`` and
-    ``loss=functools.partial(packed_loss_fn, max_len=...)``. ``loss`` is a static argument:
-    make it once and pass the same object to every step (a ``functools.partial`` compares
-    by identity, so a new one compiles again). ``model`` and ``optimizer`` (from
-    :func:`make_optimizer`, over the same model) are updated in place; the step is jitted
-    (one compilation per loss and batch shape) with their buffers donated, so parameters
-    and optimizer state are not held twice.
+    ``tokens[R · L]`` and ``labels[R · L]`` are the rows back to back (row-major: reshape
+    to ``[R, L]`` to see them); ``query_start_loc[D + 1]`` starts each of the ``D`` sequences
+    of the batch (documents, and the padding that ends a row before the next document
+    starts; the trailing zero-length ones fill ``D`` up to its static size). Padding scores
+    nothing. ``train_step(model, optimizer, *batch, loss=packed_loss(L))`` trains on it.
     """
-    return _train_step_jit(model, optimizer, tuple(jnp.asarray(a) for a in batch), loss=loss)
+
+    tokens: np.ndarray
+    query_start_loc: np.ndarray
+    labels: np.ndarray
+
+
+def pack_documents(
+    documents: Sequence[Sequence[int]],
+    *,
+    rows: int,
+    length: int,
+    max_documents: int | None = None,
+    pad_id: int = 0,
+) -> list[PackedBatch]:
+    """Documents (token lists) packed greedily, in order, into batches of ``rows`` rows of
+    ``length`` tokens, several documents per row, each one a sequence of its own::
+
+        documents [5 6 7] [8 9] [1 2 3 4 5 6] [4], rows=2, length=4:
+        row 0     5 6 7 _        row 1   8 9 _ _    ...  (_ padding, its own sequence)
+        batch 0   tokens [5 6 7 0 8 9 0 0], query_start_loc [0 3 4 6]
+        batch 1   [1 2 3 4 | 5 6 4 _]: a document longer than a row is cut at row ends
+
+    Every sequence starts fresh (no SSM state, conv state or key crosses between them), so
+    a document's loss and gradients are those it has alone. A document longer than
+    ``length`` is cut into pieces of ``length`` tokens (each piece starts fresh, the way a
+    row would); empty documents are skipped.
+
+    Args:
+      max_documents: the static number of sequences per batch (``query_start_loc`` has
+        ``max_documents + 1`` entries); default the most any of these batches needs, so
+        all of them share one shape (one compilation). ``ValueError`` when a batch needs
+        more.
+    """
+    if rows < 1 or length < 1:
+        raise ValueError(f"{rows=} and {length=} must be >= 1")
+    pieces = [
+        list(doc[start : start + length])
+        for doc in documents
+        for start in range(0, len(doc), length)
+    ]
+    batches: list[list[list[list[int]]]] = [[[]]]  # batch → row → pieces
+    for piece in pieces:
+        row = batches[-1][-1]
+        if sum(map(len, row)) + len(piece) > length:
+            if len(batches[-1]) == rows:
+                batches.append([])
+            batches[-1].append([])
+        batches[-1][-1].append(piece)
+    packed = [_pack_rows(batch, length, pad_id) for batch in batches if batch != [[]]]
+    needed = max((len(starts) for _, _, starts in packed), default=1)
+    max_documents = needed if max_documents is None else max_documents
+    if needed > max_documents:
+        raise ValueError(f"a batch holds {needed} sequences; {max_documents=} is too few")
+    out = []
+    for tokens, labels, starts in packed:
+        qsl = np.asarray([*starts, len(tokens)], np.int32)  # its last sequence ends the rows
+        qsl = np.pad(qsl, (0, max_documents + 1 - len(qsl)), mode="edge")
+        pad = rows * length - len(tokens)  # the last row's tail, and rows left empty
+        tokens = np.pad(np.asarray(tokens, np.int32), (0, pad), constant_values=pad_id)
+        labels = np.pad(np.asarray(labels, np.int32), (0, pad), constant_values=IGNORE_INDEX)
+        out.append(PackedBatch(tokens, qsl, labels))
+    return out
+
+
+def _pack_rows(
+    rows: list[list[list[int]]], length: int, pad_id: int
+) -> tuple[list[int], list[int], list[int]]:
+    """One batch's rows of pieces → (tokens, labels, sequence starts), up to the end of its
+    last piece. A row that ends short of ``length`` before another row follows is filled
+    with a padding sequence (scoring nothing) so the next row starts at its offset."""
+    tokens: list[int] = []
+    labels: list[int] = []
+    starts: list[int] = []
+    for r, row in enumerate(rows):
+        for piece in row:
+            starts.append(len(tokens))
+            tokens += piece
+            labels += piece
+        short = length - sum(map(len, row))
+        if r + 1 < len(rows) and short:
+            starts.append(len(tokens))
+            tokens += [pad_id] * short
+            labels += [IGNORE_INDEX] * short
+    return tokens, labels, starts
+
+
+@functools.cache
+def packed_loss(max_len: int) -> LossFn:
+    """:func:`packed_loss_fn` with ``max_len`` bound, one object per ``max_len`` (a static
+    argument of ``train_step`` and ``evaluate``: the same object compiles once)."""
+    return functools.partial(packed_loss_fn, max_len=max_len)
