@@ -14,14 +14,16 @@ from flax_models.model import HybridLM, layer_implementation
 from flax_models.save import save_hf_checkpoint
 from flax_models.serving.batching import BatchBuilder, Request, StepArrays
 from flax_models.serving.engine import Engine, TokenEvent
+from flax_models.serving.outputs import CompletionOutput, RequestOutput
 from flax_models.serving.sampling import SamplingParams, sample_tokens
-from flax_models.serving.text import LLM, Completion
+from flax_models.serving.text import LLM
 
 __all__ = [
     "LLM",
     "AttentionCache",
     "BatchBuilder",
-    "Completion",
+    "CompletionOutput",
+    "RequestOutput",
     "Engine",
     "ForwardBatch",
     "HybridConfig",

@@ -11,12 +11,14 @@ templates) and ``cli`` (``python -m flax_models.generate``).
 """
 
 from flax_models.serving.engine import Engine, TokenEvent
+from flax_models.serving.outputs import CompletionOutput, RequestOutput
 from flax_models.serving.sampling import SamplingParams, filter_logits, sample_tokens
-from flax_models.serving.text import LLM, Completion
+from flax_models.serving.text import LLM
 
 __all__ = [
     "LLM",
-    "Completion",
+    "CompletionOutput",
+    "RequestOutput",
     "Engine",
     "SamplingParams",
     "TokenEvent",

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -44,12 +44,17 @@ from flax_models.batch import StateSnapshots
 from flax_models.model import HybridLM
 from flax_models.serving.batching import BatchBuilder, StepArrays
 from flax_models.serving.inputs import check_buckets, check_eos_ids, check_prompts, check_sampling
-from flax_models.serving.outputs import EventStream, StepStats, TokenEvent, progress_bar
-from flax_models.serving.plan import LaunchedStep
-from flax_models.serving.prefix_cache import BlockHashes, BlockManager, GroupedBlockManager
-from flax_models.serving.request import SequenceState
+from flax_models.serving.loop import RequestLoop
+from flax_models.serving.output_processor import OutputProcessor
+from flax_models.serving.outputs import (
+    EventStream,
+    StepStats,
+    TokenEvent,
+)
+from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager
+from flax_models.serving.request import RequestState
 from flax_models.serving.runner import StepRunner
-from flax_models.serving.sampling import SamplingParams, check_int, sampling_arrays
+from flax_models.serving.sampling import SamplingParams, sampling_arrays
 from flax_models.serving.scheduler import Scheduler
 from flax_models.sharding import dp_size
 
@@ -99,18 +104,14 @@ class Engine:
         Least recently used snapshots are overwritten first.
 
     Attributes:
-      compile_count: programs compiled for this engine's steps: one per bucket (its greedy
-        tokens included), and the sampler's two (drawing, drawing with top-k/top-p) per
-        count of sequence rows.
+      scheduler: the ``Scheduler`` (admission, slots, step plans); ``runner``: the
+        ``StepRunner`` (the step programs and the caches); ``builder``: the
+        ``BatchBuilder`` of the step buckets.
       blocks: the ``BlockManager`` of the KV pages and the prefix cache; with dp slot
         groups a ``GroupedBlockManager`` (one ``BlockManager`` per group).
-      stats: wall time and real tokens of the steps served, split into prefill (prompt
-        tokens) and decode (one token per decode row): ``prefill_seconds``,
-        ``prefill_tokens``, ``decode_seconds``, ``decode_tokens``. A mixed step runs both
-        in one program; its time is shared in proportion to its tokens. Prefix caching:
-        ``prefix_hit_tokens`` (prompt tokens not computed), ``prefix_hits`` and
-        ``prefix_misses`` (requests that did or did not start from a cached prefix; all
-        0 without caching).
+      compile_count: programs compiled for this engine's steps (``StepRunner``).
+      stats: the steps' wall time and real tokens and the prefix-cache counts
+        (``serving.outputs.StepStats``).
     """
 
     def __init__(
@@ -126,25 +127,28 @@ class Engine:
         num_kv_blocks: int | None = None,
         prefix_caching: bool = False,
         num_prefix_snapshots: int | None = None,
+        tokenizer=None,
+        eos_token_ids: Iterable[int] = (),
+        seed: int = 0,
     ):
-        max_slots = check_int("max_slots", max_slots, low=1)
+        max_slots = pk.check_int("max_slots", max_slots, low=1)
         groups = dp_size(model.mesh)  # the slot groups, one per "dp" index of the mesh
-        max_len = check_int("max_len", max_len, low=1)
-        token_budget = check_int("token_budget", token_budget, low=1)
+        max_len = pk.check_int("max_len", max_len, low=1)
+        token_budget = pk.check_int("token_budget", token_budget, low=1)
         cfg = model.cfg
         has_mamba = bool(set("MP") & set(cfg.layer_pattern))
         if kv_block_size is None:
             # The Mamba chunk size (DESIGN §8): a cached prefix of one chunk or more hits;
             # configs without Mamba layers keep the field too (256 unless set).
             kv_block_size = cfg.mamba_chunk_size
-        block_size = check_int("kv_block_size", kv_block_size, low=1)
+        block_size = pk.check_int("kv_block_size", kv_block_size, low=1)
         if prefix_caching and has_mamba and block_size % cfg.mamba_chunk_size:
             raise ValueError(
                 f"kv_block_size={block_size} must be a multiple of the Mamba chunk size "
                 f"{cfg.mamba_chunk_size} for prefix caching (states are saved at chunk ends)"
             )
         max_blocks = -(-max_len // block_size)
-        num_kv_blocks = check_int(
+        num_kv_blocks = pk.check_int(
             "num_kv_blocks",
             max_slots * max_blocks if num_kv_blocks is None else num_kv_blocks,
             low=1,
@@ -160,7 +164,7 @@ class Engine:
             )
         num_snapshots = 0
         if prefix_caching and has_mamba:
-            num_snapshots = check_int(
+            num_snapshots = pk.check_int(
                 "num_prefix_snapshots",
                 2 * max_slots if num_prefix_snapshots is None else num_prefix_snapshots,
                 low=1,
@@ -224,6 +228,13 @@ class Engine:
         )
         self.blocks = self.scheduler.blocks
         self.runner = StepRunner(model, self.builder, self.blocks)
+        self.eos_token_ids = check_eos_ids(eos_token_ids)
+        self.loop = RequestLoop(
+            self.scheduler,
+            self._launch,
+            OutputProcessor(tokenizer),
+            seed=pk.check_int("seed", seed, low=0),
+        )
 
     # ------------------------------------------------------------------------ state
 
@@ -273,10 +284,12 @@ class Engine:
         sampling: dict[str, np.ndarray] | None = None,
         restore_ids: np.ndarray | None = None,
         snapshots: StateSnapshots | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Launches a built step (pages first); ``(logits, tokens)`` on the device. A launch
-        that raised leaves the engine usable: lost caches are replaced, with every page
-        and the prefix cache dropped with them."""
+        *,
+        logprobs: bool = False,
+    ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
+        """Launches a built step (pages first); ``(logits, tokens, logprobs)`` on the
+        device. A launch that raised leaves the engine usable: lost caches are replaced,
+        with every page and the prefix cache dropped with them."""
         if sampling is None:
             rows = arrays.slot_ids.shape[0]
             sampling = sampling_arrays([None] * rows, [0] * rows)
@@ -284,22 +297,28 @@ class Engine:
             restore_ids, snapshots = self.scheduler.direct_step_extras(arrays)
         self.scheduler.ensure_pages(arrays)
         try:
-            return self.runner.launch(arrays, sampling, restore_ids, snapshots)
+            return self.runner.launch(arrays, sampling, restore_ids, snapshots, logprobs=logprobs)
         except BaseException:
             if self.runner.recover():
                 self.blocks.reset()
             raise
 
-    def step(self, arrays: StepArrays, *, wait: bool = True) -> jax.Array:
-        """Runs one built step; returns the last-token logits of every sequence row,
+    def step(self, arrays: StepArrays | None = None, *, wait: bool = True):
+        """Without ``arrays``: one step of the requests added with ``add_request``; the
+        ``RequestOutput`` of every request that advanced (cumulative so far), in order.
+
+        With ``arrays`` (a step built by hand with ``builder``): runs that step alone;
+        returns the last-token logits of every sequence row,
         ``[R, V]`` fp32, on the device (a 256-row step's logits are 128 MiB at V = 128k:
         copying them to the host would take longer than the step; sample on the device).
 
         ``wait=False`` returns once the step is launched, without counting it in ``stats``:
         for callers that chain steps (a decode row's token may be ``FROM_DEVICE``, the one
-        its slot sampled in the step before), as ``stream`` does."""
+        its slot sampled in the step before)."""
+        if arrays is None:
+            return self.loop.step_requests()
         start = time.perf_counter()
-        logits, tokens = self._launch(arrays)
+        logits, tokens, _ = self._launch(arrays)
         if wait:
             jax.block_until_ready((logits, tokens))
             if arrays.num_requests:
@@ -313,7 +332,7 @@ class Engine:
         warmed = set()
         for num_decode, token_bucket in self.builder.buckets():
             arrays = self.builder.dummy(num_decode, token_bucket)
-            logits, tokens = self._launch(arrays)
+            logits, tokens, _ = self._launch(arrays)
             rows = arrays.slot_ids.shape[0]
             if rows not in warmed:
                 warmed.add(rows)
@@ -416,88 +435,65 @@ class Engine:
         """Generates like ``generate``, yielding each token as it is drawn: ``TokenEvent(index,
         token, finish_reason)``, in the order the steps produce them (a request's own
         tokens in order). ``sampling``: one ``SamplingParams`` for every prompt, one per
-        prompt, or None for the defaults.
+        prompt, or None for the defaults. ``eos_ids`` end a request (the engine's own
+        ``eos_token_ids`` are not used here).
 
         ``stop(index, token)``, when given, is called on the host after each generated token
-        that is not a stop token; True ends that request there (``finish_reason="stop"``):
-        how the text layer stops at stop strings. Everything is checked here, before the
-        first step; stopping the iteration early (``close()``, a ``break``) gives the slots
-        back.
+        that is not a stop token; True ends that request there (``finish_reason="stop"``).
+        Everything is checked here, before the first step; stopping the iteration early
+        (``close()``, a ``break``) gives the slots back.
         """
         prompts = check_prompts(prompts, self.cfg.vocab_size)
         params = check_sampling(sampling, len(prompts))
         eos = check_eos_ids(eos_ids)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             self.scheduler.check_fits(i, prompt, p)
-        sequences = [
-            SequenceState(
-                i, prompt, p, eos | frozenset(p.stop_token_ids), BlockHashes(self.block_size)
-            )
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
-        ]
-        hits: dict[int, int] = {}
-        return EventStream(self._serve(sequences, stop, progress, hits), len(prompts), hits)
+        sequences = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            seed = self.loop.draw_seed() if p.seed is None else p.seed
+            seq = self.loop.new_sequence(prompt, p, eos | frozenset(p.stop_token_ids), seed)
+            if stop is not None:
+                seq.stop_check = lambda token, i=i: stop(i, token)
+            sequences.append(seq)
+        return EventStream(self.loop.serve(sequences, progress), sequences)
 
-    def _serve(
+    def add_request(
         self,
-        sequences: list[SequenceState],
-        stop: Callable[[int, int], bool] | None,
-        progress: bool | None,
-        hits: dict[int, int],
-    ) -> Iterator[TokenEvent]:
-        """The loop of ``stream`` over checked requests, one step ahead (the module's
-        docstring); ``hits`` gets each request's prefix hit tokens as it is admitted."""
-        waiting = collections.deque(s for s in sequences if s.params.max_new_tokens > 0)
-        if not waiting:
-            return
-        running: list[SequenceState] = []
-        scheduler = self.scheduler
-        bar = progress_bar(sum(s.params.max_new_tokens for s in waiting), enabled=progress)
-        # Every slot this call takes is back in the free list when it returns or raises
-        # (however far it got): the free list is restored as it was on entry, and the
-        # pages of the sequences still running are given back.
-        free_on_entry = list(scheduler.free_slots)
-        for slot in free_on_entry:  # pages direct ``step`` calls left in free slots
-            self.blocks.release(slot)
-        pending: LaunchedStep | None = None  # launched, tokens not read yet
-        launched: LaunchedStep | None = None
-        try:
-            while waiting or running:
-                launched = self._launch_next(waiting, running, hits, ahead=pending is not None)
-                if pending is not None:
-                    tokens = np.asarray(pending.tokens)  # waits for the step
-                    now = time.perf_counter()
-                    advance = lambda: bar.update(1)  # noqa: E731
-                    yield from scheduler.land(pending, tokens, now, running, stop, advance)
-                elif launched is None:  # nothing runs, so nothing will ever free
-                    raise RuntimeError(scheduler.stall_reason(waiting[0]))
-                pending, launched = launched, None
-        finally:
-            for step in (pending, launched):
-                if step is not None:  # snapshot entries of steps never read
-                    scheduler.abandon(step.plan)
-            for seq in running:
-                self.blocks.release(seq.slot)
-            scheduler.free_slots = free_on_entry
-            bar.close()
-
-    def _launch_next(
-        self,
-        waiting: collections.deque[SequenceState],
-        running: list[SequenceState],
-        hits: dict[int, int],
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
         *,
-        ahead: bool,
-    ) -> LaunchedStep | None:
-        """Plans and launches the next step; None when there is nothing to launch now."""
-        plan = self.scheduler.schedule(waiting, running, hits, ahead=ahead)
-        if plan is None:
-            return None
-        launched_at = time.perf_counter()
-        try:
-            _, tokens = self._launch(plan.arrays, plan.sampling, plan.restore_ids, plan.snapshots)
-        except BaseException:
-            self.scheduler.abandon(plan)
-            raise
-        self.scheduler.commit(plan)
-        return LaunchedStep(plan, tokens, launched_at)
+        prompt: str | None = None,
+    ) -> None:
+        """Queues a request of ``sampling_params.n`` completions of ``prompt_token_ids``; it
+        joins the running batch at the next ``step`` it fits in. ``ValueError`` (nothing
+        queued) for an id in use, a bad prompt or settings, or a request that can never
+        fit (prompt + ``max_tokens`` past ``max_len`` or the KV pool)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self.loop.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        (ids,) = check_prompts([prompt_token_ids], self.cfg.vocab_size)
+        (params,) = check_sampling(sampling_params, 1)
+        self.scheduler.check_fits(0, ids, params)
+        request = RequestState(request_id, prompt, ids, params)
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        first = self.loop.draw_seed() if params.seed is None else params.seed
+        for i in range(params.n):
+            # The i-th completion's seed follows from the first's.
+            seed = first if i == 0 else int(np.random.default_rng([first, i]).integers(2**32))
+            seq = self.loop.new_sequence(ids, params, stop_ids, seed)
+            seq.request, seq.output_index = request, i
+            request.sequences.append(seq)
+        self.loop.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends request ``request_id`` where it stands (its slots and pages come back); an
+        unknown or finished id is ignored."""
+        self.loop.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.loop.requests)
+

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from flax_models.serving.sampling import SamplingParams, check_int
+import pallas_kernels as pk
+from flax_models.serving.sampling import SamplingParams
 
 __all__ = ["check_buckets", "check_eos_ids", "check_prompts", "check_sampling"]
 
@@ -37,9 +38,10 @@ def check_buckets(
 def check_sampling(
     sampling: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
 ) -> list[SamplingParams]:
-    """One ``SamplingParams`` per prompt from one for all, one each, or None (defaults)."""
+    """One ``SamplingParams`` per prompt from one for all, one each, or None (greedy, 16
+    tokens: the engine's token-id API keeps its greedy default)."""
     if sampling is None or isinstance(sampling, SamplingParams):
-        params = [sampling or SamplingParams()] * num_prompts
+        params = [sampling or SamplingParams(temperature=0.0, seed=0)] * num_prompts
     else:
         params = list(sampling)
         if len(params) != num_prompts:
@@ -59,7 +61,7 @@ def check_eos_ids(eos_ids: int | Iterable[int] | None) -> frozenset[int]:
         eos_ids = ()
     elif isinstance(eos_ids, numbers.Integral):
         eos_ids = (eos_ids,)
-    return frozenset(check_int("eos_id", t) for t in eos_ids)
+    return frozenset(pk.check_int("eos_id", t) for t in eos_ids)
 
 
 def check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:

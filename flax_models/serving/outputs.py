@@ -4,13 +4,65 @@ the engine's step statistics."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal, NamedTuple
 
 from flax_models.serving.batching import StepArrays
+from flax_models.serving.request import SequenceState
 
-__all__ = ["EventStream", "StepStats", "TokenEvent", "progress_bar"]
+__all__ = [
+    "CompletionOutput",
+    "EventStream",
+    "RequestOutput",
+    "StepStats",
+    "TokenEvent",
+    "progress_bar",
+]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request, so far (vLLM's fields).
+
+    Attributes:
+      index: its place among the request's ``n`` completions.
+      text: the generated text (special tokens left out, cut before a stop string; empty
+        from an engine without a tokenizer).
+      token_ids: the generated token ids (a stopping eos or stop token included).
+      cumulative_logprob: the sum of the sampled tokens' log-probabilities (requests with
+        ``logprobs``), else None.
+      logprobs: per generated token, ``{token id: log-probability}`` for the sampled token
+        and the ``logprobs`` most likely (fp32 log-softmax of the model's logits), or None.
+      finish_reason: None while it runs, then ``"stop"`` (an eos or stop token, or a stop
+        string), ``"length"`` (``max_tokens``) or ``"abort"``.
+      stop_reason: the stop string or stop token id that ended it, else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's outputs so far (vLLM's fields): ``outputs`` holds its ``n``
+    completions; ``finished`` once every one has ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
 
 
 class TokenEvent(NamedTuple):
@@ -25,13 +77,18 @@ class TokenEvent(NamedTuple):
 
 class EventStream:
     """The iterator ``Engine.stream`` returns: its ``TokenEvent``s, ``num_requests``, and
-    ``prefix_hits`` (request index -> prompt tokens taken from the prefix cache, filled as
-    requests are admitted; 0 without prefix caching)."""
+    ``prefix_hits`` (request index -> prompt tokens taken from the prefix cache, for the
+    requests admitted so far; 0 without prefix caching)."""
 
-    def __init__(
-        self, events: Iterator[TokenEvent], num_requests: int, prefix_hits: dict[int, int]
-    ):
-        self._events, self.num_requests, self.prefix_hits = events, num_requests, prefix_hits
+    def __init__(self, events: Iterator[TokenEvent], sequences: Sequence[SequenceState]):
+        self._events, self._sequences = events, sequences
+        self.num_requests = len(sequences)
+
+    @property
+    def prefix_hits(self) -> dict[int, int]:
+        return {
+            i: seq.prefix_hit for i, seq in enumerate(self._sequences) if seq.prefix_hit is not None
+        }
 
     def __iter__(self) -> EventStream:
         return self

@@ -65,8 +65,10 @@ class StepPlan:
 @dataclasses.dataclass(frozen=True)
 class LaunchedStep:
     """A step on the device whose tokens the host has not read yet: its ``plan``, the
-    sampled ``tokens[R]`` (on the device) and when it was launched."""
+    sampled ``tokens[R]`` (on the device), when it was launched, and the rows'
+    log-probabilities (``StepRunner.launch``) when some row asked for them."""
 
     plan: StepPlan
     tokens: jax.Array
     launched_at: float
+    logprobs: tuple[jax.Array, ...] | None = None

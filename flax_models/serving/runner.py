@@ -30,6 +30,7 @@ from flax_models.model import HybridLM
 from flax_models.serving.batching import FROM_DEVICE, BatchBuilder, StepArrays
 from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager
 from flax_models.serving.sampling import (
+    MAX_LOGPROBS,
     greedy_tokens,
     request_keys,
     sample_tokens,
@@ -96,6 +97,9 @@ class StepRunner:
         self.sampler_program = jax.jit(
             self._sample, static_argnames=("draws", "restricts"), donate_argnums=(1,)
         )
+        # Log-probabilities are a program of their own too, launched only for steps where
+        # some row asks for them.
+        self.logprobs_program = jax.jit(self._logprobs)
 
     def load_params(self, model: HybridLM) -> None:
         """Takes ``model``'s parameters for the next steps. The parameters travel to every
@@ -244,6 +248,15 @@ class StepRunner:
         )
         return next_tokens, _with_samples(slot_tokens, slot_ids, next_tokens)
 
+    def _logprobs(self, logits, tokens):
+        """``(logprob of tokens[R], top ids[R, K], top logprobs[R, K])`` of ``logits[R, V]``'s
+        fp32 log-softmax, ``K = min(MAX_LOGPROBS, V)``."""
+        self.compile_count += 1
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+        sampled = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        return sampled, top_ids.astype(jnp.int32), top_lp
+
     def _jit_step(self, compiler_options: dict[str, Any] | None = None) -> Callable:
         """``step_function`` under ``jax.jit`` (the caches and slot tokens donated), with
         XLA's ``compiler_options`` if any: every jit of the step is made here alike."""
@@ -295,17 +308,20 @@ class StepRunner:
         sampling: dict[str, np.ndarray],
         restore_ids: np.ndarray | None = None,
         snapshots: StateSnapshots | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Launches one built step and its sampling: ``(logits[R, V], tokens[R])``, on the
-        device and not waited for (``R`` sequence rows, padding included). ``sampling``:
-        the rows' settings from ``sampling_arrays``. After a launch that raised, call
+        *,
+        logprobs: bool = False,
+    ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
+        """Launches one built step and its sampling: ``(logits[R, V], tokens[R],
+        logprobs)``, on the device and not waited for (``R`` sequence rows, padding
+        included); ``logprobs`` (when asked for) the rows' ``_logprobs``. ``sampling``: the
+        rows' settings from ``sampling_arrays``. After a launch that raised, call
         ``recover``."""
         draws, restricts = sampler_flags(sampling, self.cfg.vocab_size)
         args, kwargs = self.step_arguments(arrays, restore_ids, snapshots)
         logits, self.caches, tokens, self.slot_tokens = self.program(arrays)(*args, **kwargs)
         if draws:  # else the step's argmax is every row's token
             tokens = self.launch_sampler(logits, arrays.slot_ids, sampling, restricts=restricts)
-        return logits, tokens
+        return logits, tokens, self.logprobs_program(logits, tokens) if logprobs else None
 
     def launch_sampler(
         self,
@@ -332,12 +348,12 @@ class StepRunner:
 
     def warm_sampler(self, logits: jax.Array, slot_ids: np.ndarray) -> jax.Array:
         """Compiles the sampler's two programs for ``logits``' row count (drawing, without
-        and with a cutoff); the last one's tokens."""
+        and with a cutoff) and the log-probabilities'; the last one's output."""
         rows = slot_ids.shape[0]
         sampling = sampling_arrays([None] * rows, [0] * rows)
         for restricts in (False, True):
             tokens = self.launch_sampler(logits, slot_ids, sampling, restricts=restricts)
-        return tokens
+        return self.logprobs_program(logits, tokens)
 
     def recover(self) -> bool:
         """After a launch that raised: the caches were donated to it, and if it consumed

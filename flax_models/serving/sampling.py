@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._validation import check_int
+import pallas_kernels as pk
 
 # Seeds are 32-bit: the step builds keys from uint32 data (not constants, so one program
 # serves every seed); jax.random.key(seed) gives the same key for these seeds.
@@ -50,65 +51,150 @@ def _strings(name: str, value: str | Iterable[str]) -> tuple[str, ...]:
     return items
 
 
-@dataclasses.dataclass(frozen=True)
+_UNSET: Any = object()  # a field the caller did not give (generation_config.json may)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How one request generates (checked on construction: ``ValueError`` names the field).
+    """How one request generates, with vLLM's names and meanings (checked on construction:
+    ``ValueError`` names the field). Fields left unset take the checkpoint's
+    ``generation_config.json`` values where ``LLM`` finds them (``with_defaults``).
 
     Attributes:
-      max_new_tokens: tokens to generate at most (>= 0).
+      n: completions to generate for the prompt (>= 1); with prefix caching they share
+        the prompt's prefill.
       temperature: 0 is greedy (argmax); otherwise the softmax of ``logits / temperature``
         (finite, >= 0).
-      top_k: keep the ``top_k`` largest logits (an int >= 1), or None for all.
       top_p: keep the smallest set of largest-probability tokens whose probabilities sum
-        to at least ``top_p`` (in (0, 1]), or None for all (same as 1).
-      seed: the request's random seed, an int in ``[0, 2**32)``. The same seed and prompt
-        give the same tokens, whatever else runs in the same batch.
-      stop_token_ids: token ids that end the completion (on top of the checkpoint's eos),
-        with ``finish_reason="stop"``; the stopping token is kept in ``token_ids``, not in
-        the text.
+        to at least ``top_p`` (in (0, 1]; 1: all).
+      top_k: keep the ``top_k`` largest logits (an int >= 1; -1 or 0: all).
+      seed: the request's random seed, an int in ``[0, 2**32)``, or None (the engine
+        draws one from its own seed). The same seed and prompt give the same tokens,
+        whatever else runs in the same batch.
       stop: strings that end the completion when the generated text contains one (it may
         span several tokens); the text is cut before it.
+      stop_token_ids: token ids that end the completion (on top of the checkpoint's eos),
+        with ``finish_reason="stop"``; the stopping token is kept in ``token_ids``.
+      max_tokens: tokens to generate at most (>= 0; ``max_new_tokens`` is an alias).
+      logprobs: return the log-probability of each sampled token and of the ``logprobs``
+        most likely tokens at its position (fp32 log-softmax of the model's logits; an
+        int in ``[0, MAX_LOGPROBS]``), or None for none.
+      ignore_eos: keep generating past the checkpoint's eos tokens (``stop_token_ids``
+        still stop).
     """
 
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    unset: frozenset[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
-    def __post_init__(self):
-        def put(name, value):
+    def __init__(
+        self,
+        n: int = _UNSET,
+        temperature: float = _UNSET,
+        top_p: float | None = _UNSET,
+        top_k: int | None = _UNSET,
+        seed: int | None = _UNSET,
+        stop: str | Iterable[str] | None = _UNSET,
+        stop_token_ids: int | Iterable[int] | None = _UNSET,
+        max_tokens: int = _UNSET,
+        logprobs: int | None = _UNSET,
+        ignore_eos: bool = _UNSET,
+        *,
+        max_new_tokens: int = _UNSET,
+        unset: frozenset[str] = frozenset(),
+    ):
+        if max_new_tokens is not _UNSET:
+            if max_tokens is not _UNSET:
+                raise ValueError("give max_tokens or its alias max_new_tokens, not both")
+            max_tokens = max_new_tokens
+        given = dict(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            ignore_eos=ignore_eos,
+        )
+        missing = {name for name, value in given.items() if value is _UNSET}
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in given}
+        values = {name: defaults[name] if name in missing else v for name, v in given.items()}
+        for name, value in _checked(values).items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "unset", frozenset(missing) | frozenset(unset))
 
-        put("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, low=0))
-        temperature = _number("temperature", self.temperature)
-        if temperature < 0:
-            raise ValueError(f"{temperature=} must be >= 0 (0: greedy)")
-        put("temperature", temperature)
-        if self.top_k is not None:
-            put("top_k", check_int("top_k", self.top_k, low=1))
-        if self.top_p is not None:
-            top_p = _number("top_p", self.top_p)
-            if not 0 < top_p <= 1:
-                raise ValueError(f"{top_p=} must be in (0, 1]")
-            put("top_p", top_p)
-        seed = check_int("seed", self.seed, low=0)
-        if seed >= SEED_LIMIT:
-            raise ValueError(f"{seed=} must be < 2**32")
-        put("seed", seed)
-        ids = self.stop_token_ids
-        ids = (ids,) if isinstance(ids, numbers.Integral) else ids
-        try:
-            put("stop_token_ids", tuple(check_int("stop_token_ids", t, low=0) for t in ids))
-        except TypeError:
-            raise ValueError(f"stop_token_ids={ids!r} must be ints") from None
-        put("stop", _strings("stop", self.stop))
+    @property
+    def max_new_tokens(self) -> int:
+        """``max_tokens`` (the older name)."""
+        return self.max_tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def with_defaults(self, defaults: Mapping[str, object]) -> SamplingParams:
+        """These settings with each unset field taken from ``defaults`` (field name ->
+        value, e.g. from ``generation_config.json``) where it has one."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["unset"]
+        taken = {k: v for k, v in defaults.items() if k in self.unset and k in fields}
+        return SamplingParams(**(fields | taken), unset=self.unset - set(taken))
+
+
+# The most log-probabilities a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+def _checked(values: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``SamplingParams`` checked and canonicalised."""
+    out = dict(values)
+    out["n"] = pk.check_int("n", values["n"], low=1)
+    out["max_tokens"] = pk.check_int("max_tokens", values["max_tokens"], low=0)
+    temperature = _number("temperature", values["temperature"])
+    if temperature < 0:
+        raise ValueError(f"{temperature=} must be >= 0 (0: greedy)")
+    out["temperature"] = temperature
+    top_k = values["top_k"]
+    out["top_k"] = -1 if top_k is None else pk.check_int("top_k", top_k, low=-1)
+    if out["top_k"] == 0:
+        out["top_k"] = -1  # 0 means off too (vLLM)
+    top_p = 1.0 if values["top_p"] is None else _number("top_p", values["top_p"])
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{top_p=} must be in (0, 1]")
+    out["top_p"] = top_p
+    seed = values["seed"]
+    if seed is not None:
+        seed = pk.check_int("seed", seed, low=0)
+        if seed >= SEED_LIMIT:
+            raise ValueError(f"{seed=} must be < 2**32")
+    out["seed"] = seed
+    ids = values["stop_token_ids"]
+    ids = () if ids is None else (ids,) if isinstance(ids, numbers.Integral) else ids
+    try:
+        out["stop_token_ids"] = tuple(pk.check_int("stop_token_ids", t, low=0) for t in ids)
+    except TypeError:
+        raise ValueError(f"stop_token_ids={ids!r} must be ints") from None
+    out["stop"] = () if values["stop"] is None else _strings("stop", values["stop"])
+    logprobs = values["logprobs"]
+    if logprobs is not None:
+        logprobs = pk.check_int("logprobs", logprobs, low=0)
+        if logprobs > MAX_LOGPROBS:
+            raise ValueError(f"{logprobs=} must be at most {MAX_LOGPROBS}")
+    out["logprobs"] = logprobs
+    if not isinstance(values["ignore_eos"], bool):
+        raise ValueError(f"ignore_eos={values['ignore_eos']!r} must be a bool")
+    return out
 
 
 def request_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
@@ -236,7 +322,7 @@ def _restrictions(top_k, top_p, vocab_size: int):
     return (top_k >= 1) & (top_k < vocab_size), (top_p > 0) & (top_p < 1)
 
 
-_GREEDY = SamplingParams(max_new_tokens=0)
+_GREEDY = SamplingParams(max_tokens=0, temperature=0.0, seed=0)
 
 
 def sampling_arrays(params: list[SamplingParams | None], counters: list[int]) -> dict:
@@ -246,8 +332,8 @@ def sampling_arrays(params: list[SamplingParams | None], counters: list[int]) ->
     real = [_GREEDY if p is None else p for p in params]
     return dict(
         temperature=np.asarray([p.temperature for p in real], np.float32),
-        top_k=np.asarray([p.top_k or 0 for p in real], np.int32),
-        top_p=np.asarray([1.0 if p.top_p is None else p.top_p for p in real], np.float32),
+        top_k=np.asarray([max(p.top_k, 0) for p in real], np.int32),
+        top_p=np.asarray([p.top_p for p in real], np.float32),
         seeds=np.asarray([p.seed for p in real], np.uint32),
         counters=np.asarray(counters, np.int32),
     )

@@ -21,7 +21,7 @@ up to ``token_budget`` tokens a step.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -192,21 +192,18 @@ class Scheduler:
         return True
 
     def admit_waiting(
-        self,
-        waiting: collections.deque[SequenceState],
-        running: list[SequenceState],
-        hits: dict[int, int],
+        self, waiting: collections.deque[SequenceState], running: list[SequenceState]
     ) -> None:
         """Moves what fits from ``waiting`` to ``running`` (first come, first served; a
-        request that waits for pages holds back those after it); ``hits`` gets each
-        admitted request's prefix hit tokens."""
+        request that waits for pages holds back those after it); each admitted request
+        notes its prefix hit tokens (``prefix_hit``)."""
         while waiting and self.free_slots:
             seq = self.next_admissible(waiting, running)
             if seq is None or not self._admit(seq):
                 break
             waiting.remove(seq)
             running.append(seq)
-            hits[seq.index] = seq.num_computed
+            seq.prefix_hit = seq.num_computed
 
     # ------------------------------------------------------------------------ planning
 
@@ -214,7 +211,6 @@ class Scheduler:
         self,
         waiting: collections.deque[SequenceState],
         running: list[SequenceState],
-        hits: dict[int, int],
         *,
         ahead: bool,
     ) -> StepPlan | None:
@@ -228,7 +224,7 @@ class Scheduler:
         which must see the blocks that step publishes), it waits for them."""
         bs = self.block_size
         if not (ahead and self.prefix_caching):
-            self.admit_waiting(waiting, running, hits)
+            self.admit_waiting(waiting, running)
         # Sequences whose last token is in flight end there by length: nothing to plan.
         live = [s for s in running if s.num_generated < s.params.max_new_tokens]
         decode = [s for s in live if s.prompt_done]
@@ -402,12 +398,11 @@ class Scheduler:
         tokens: np.ndarray,
         now: float,
         running: list[SequenceState],
-        stop: Callable[[int, int], bool] | None,
-        advance: Callable[[], object],
     ) -> Iterator[TokenEvent]:
         """Lands a launched step whose ``tokens`` the host read at ``now``: its stats, its
-        bookkeeping, then its events (``advance`` after each token); rows of sequences that
-        ended before it are discarded."""
+        bookkeeping, then its events; rows of sequences that ended before it are
+        discarded. A request ends at a stop id, when its ``stop_check`` says so, or at
+        ``max_tokens``."""
         plan = step.plan
         kept = [f for f in plan.scheduled if not f.seq.ended]
         num_decode = plan.arrays.num_decode_requests  # the first entries are decode rows
@@ -430,15 +425,13 @@ class Scheduler:
                 self._publish(f.seq, f.start, f.start + f.count, plan.taken.pop(f.seq.index, {}))
         self.abandon(plan)
         plan.taken.clear()
-        return self._events(plan, tokens, running, stop, advance)
+        return self._events(plan, tokens, running)
 
     def _events(
         self,
         plan: StepPlan,
         tokens: np.ndarray,
         running: list[SequenceState],
-        stop: Callable[[int, int], bool] | None,
-        advance: Callable[[], object],
     ) -> Iterator[TokenEvent]:
         for f, row in zip(plan.scheduled, plan.rows, strict=True):
             seq = f.seq
@@ -447,8 +440,7 @@ class Scheduler:
             token = int(tokens[row])
             seq.in_flight -= 1
             seq.generated.append(token)
-            advance()
-            if token in seq.stop_ids or (stop is not None and stop(seq.index, token)):
+            if token in seq.stop_ids or (seq.stop_check is not None and seq.stop_check(token)):
                 reason = "stop"
             elif len(seq.generated) == seq.params.max_new_tokens:
                 reason = "length"

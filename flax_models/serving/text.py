@@ -1,59 +1,90 @@
-"""Text in, text out: a Hugging Face directory served through the engine.
+"""Text in, text out: a Hugging Face checkpoint served through the engine, with vLLM's names.
 
-``LLM(directory)`` loads the checkpoint (``load_hf_checkpoint``), its ``tokenizer.json``
-(the Hugging Face ``tokenizers`` library, no transformers), the eos ids of
-``generation_config.json``, ``config.json`` and ``tokenizer_config.json``, and the chat
-template, and builds an ``Engine``. ``generate`` returns one ``Completion`` per prompt,
-``stream`` yields the text of one request as its tokens are drawn, ``chat`` renders
-conversations with the chat template first::
+``LLM(model)`` loads the checkpoint (a local directory, or a Hub id found in the local
+Hugging Face cache, offline), its ``tokenizer.json`` (the ``tokenizers`` library), the eos
+ids and sampling defaults of ``generation_config.json``, and the chat template, and builds
+an ``Engine`` that detokenises. ``generate`` returns one ``RequestOutput`` per prompt,
+``chat`` renders conversations with the chat template first, ``stream`` yields the text of
+one request as its tokens are drawn::
 
-    llm = LLM("tests/fixtures/text", max_slots=4, max_len=128)
-    out = llm.generate(["Hello", "The quick"], SamplingParams(max_new_tokens=8))
+    llm = LLM("tests/fixtures/text", max_slots=4)
+    outputs = llm.generate(["Hello", "The quick"], SamplingParams(max_tokens=8))
+    outputs[0].outputs[0].text
     for piece in llm.stream("Hello", SamplingParams(temperature=0.8, top_p=0.9, seed=1)):
         print(piece, end="", flush=True)
-    llm.chat([{"role": "user", "content": "Hi!"}])[0].text
+    llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.serving import chat as chat_lib
-from flax_models.serving.detokenize import IncrementalDetokenizer
 from flax_models.serving.engine import Engine
+from flax_models.serving.outputs import RequestOutput
 from flax_models.serving.sampling import SamplingParams
 
+__all__ = ["LLM", "resolve_model"]
+
 Conversation = Sequence[Mapping[str, Any]]
+Prompt = str | Mapping[str, Any]
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+# generation_config.json keys -> SamplingParams fields (the ones vLLM takes from it).
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_new_tokens": "max_tokens",
+}
+# The KV cache an LLM may take by default: a share of the device's memory.
+_CACHE_MEMORY_FRACTION = 0.3
 
 
-@dataclasses.dataclass
-class Completion:
-    """One request's result.
+def resolve_model(model: str | Path) -> Path:
+    """``model`` as a local directory: the directory itself, or a Hugging Face Hub id
+    (``"org/name"``) found in the local Hub cache (no network is used)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    Attributes:
-      text: the generated text (special tokens left out, cut before a stop string).
-      token_ids: the generated token ids (the stopping eos or stop token included).
-      finish_reason: ``"stop"`` (an eos or stop token, or a stop string) or ``"length"``
-        (``max_new_tokens`` reached).
-      stop_reason: what stopped it: the stop string, the stop token id, or None.
-      prompt: the prompt text (a conversation's rendered text for ``chat``).
-      prompt_token_ids: the prompt's token ids.
-    """
+    try:
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as error:
+        raise ValueError(
+            f"model={str(model)!r} is neither a directory nor a Hub id in the local Hugging "
+            f"Face cache ({error})"
+        ) from None
 
-    text: str
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
-    stop_reason: str | int | None = None
-    prompt: str | None = None
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+def resolve_dtype(dtype: object, config: Mapping[str, Any]):
+    """The weights' dtype: ``"auto"`` is the config's ``dtype`` (``torch_dtype`` in older
+    files; fp32 when neither is set), else a name or a JAX/NumPy dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+        if dtype == "auto":
+            name = config.get("dtype") or config.get("torch_dtype") or "float32"
+        if name not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(_DTYPES)}")
+        return _DTYPES[name]
+    return jnp.dtype(dtype)
 
 
 def _eos_ids(value: object) -> set[int]:
@@ -69,57 +100,111 @@ def _read_json(path: Path) -> dict:
 
 
 class LLM:
-    """A Hugging Face checkpoint with its tokenizer, generating text.
+    """A Hugging Face checkpoint with its tokenizer, generating text (vLLM's ``LLM``).
 
     Args:
-      directory: holds ``config.json``, ``*.safetensors`` and ``tokenizer.json``; optionally
-        ``generation_config.json`` and ``tokenizer_config.json`` (eos ids, chat template).
-      dtype: the weights' dtype (``A_log``, ``D``, ``dt_bias`` stay fp32).
+      model: a directory holding ``config.json``, ``*.safetensors`` and (unless
+        ``tokenizer`` says where) ``tokenizer.json``, or a Hub id in the local Hub cache;
+        optionally ``generation_config.json`` (eos ids, sampling defaults) and
+        ``tokenizer_config.json`` (eos token, chat template).
+      dtype: the weights' dtype: ``"auto"`` (the config's), a name (``"bfloat16"``...) or
+        a JAX dtype (``A_log``, ``D``, ``dt_bias`` stay fp32).
+      tokenizer: a directory or Hub id of the tokenizer, when not ``model``'s.
       implementation: the kernels (``"auto"``, ``"xla"``, ``"triton"``, ``"mosaic"``).
-      mesh: a ``jax.sharding.Mesh`` with an axis ``"tp"`` to shard the model and its caches
-        over (tensor parallelism, ``flax_models.sharding``).
-      **engine_options: ``Engine``'s (``max_slots``, ``max_len``, ``token_budget``, ...).
+      mesh: a ``jax.sharding.Mesh`` to shard the model and its caches over.
+      max_model_len: tokens per sequence (prompt + generated); by default the config's
+        ``max_position_embeddings``, capped so the KV pool takes at most a third of the
+        device's memory (4096 for configs without one).
+      seed: the seed of requests that give none.
+      **engine_options: ``Engine``'s (``max_slots``, ``token_budget``, ...).
 
     Attributes:
-      model, engine, tokenizer (``tokenizers.Tokenizer``), eos_token_ids (a frozenset: any
-      of them ends a completion), chat_template (str or None).
+      model (the ``HybridLM``), engine (its ``Engine``), tokenizer
+      (``tokenizers.Tokenizer``), eos_token_ids, chat_template (str or None),
+      max_model_len, generation_defaults (the sampling defaults of
+      ``generation_config.json``).
     """
 
     def __init__(
         self,
-        directory: str | Path,
+        model: str | Path,
         *,
-        dtype: jnp.dtype = jnp.float32,
+        dtype: Any = "auto",
+        tokenizer: str | Path | None = None,
         implementation: str = "auto",
         mesh=None,
+        max_model_len: int | None = None,
+        seed: int = 0,
         **engine_options: Any,
     ):
         from tokenizers import Tokenizer
 
-        directory = Path(directory)
-        tokenizer_path = directory / "tokenizer.json"
+        directory = resolve_model(model)
+        tokenizer_dir = directory if tokenizer is None else resolve_model(tokenizer)
+        tokenizer_path = tokenizer_dir / "tokenizer.json"
         if not tokenizer_path.is_file():
             raise FileNotFoundError(
                 f"{tokenizer_path} not found: LLM needs a Hugging Face tokenizer.json beside "
-                "the checkpoint (for token ids, use Engine)"
+                "the checkpoint or tokenizer= (for token ids, use Engine)"
             )
+        if "max_len" in engine_options:
+            if max_model_len is not None:
+                raise ValueError("give max_model_len or the engine's max_len, not both")
+            max_model_len = engine_options.pop("max_len")
         self.directory = directory
+        config = _read_json(directory / "config.json")
         self.model = load_hf_checkpoint(
-            directory, dtype=dtype, implementation=implementation, mesh=mesh
+            directory,
+            dtype=resolve_dtype(dtype, config),
+            implementation=implementation,
+            mesh=mesh,
         )
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
-        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        tokenizer_config = _read_json(tokenizer_dir / "tokenizer_config.json")
         self._special_tokens = chat_lib.special_tokens(tokenizer_config)
-        self.chat_template = chat_lib.load_chat_template(directory, tokenizer_config)
+        self.chat_template = chat_lib.load_chat_template(tokenizer_dir, tokenizer_config)
+        generation = _read_json(directory / "generation_config.json")
         # Any eos the checkpoint names ends a completion (as vLLM: the model config's, the
         # generation config's, which may list several, and the tokenizer's eos token).
-        eos = _eos_ids(_read_json(directory / "config.json").get("eos_token_id"))
-        eos |= _eos_ids(_read_json(directory / "generation_config.json").get("eos_token_id"))
+        eos = _eos_ids(config.get("eos_token_id")) | _eos_ids(generation.get("eos_token_id"))
         eos_token = self._special_tokens.get("eos_token")
         if isinstance(eos_token, str) and self.tokenizer.token_to_id(eos_token) is not None:
             eos.add(self.tokenizer.token_to_id(eos_token))
         self.eos_token_ids = frozenset(eos)
-        self.engine = Engine(self.model, **engine_options)
+        self.generation_defaults = {
+            field: generation[key]
+            for key, field in _GENERATION_DEFAULTS.items()
+            if key in generation
+        }
+        self.max_model_len = self._model_len(max_model_len, config, engine_options)
+        self.engine = Engine(
+            self.model,
+            max_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            seed=seed,
+            **engine_options,
+        )
+        self._ids = itertools.count()
+
+    def _model_len(self, requested: int | None, config: Mapping[str, Any], options) -> int:
+        if requested is not None:
+            return requested
+        length = config.get("max_position_embeddings") or 4096
+        cfg = self.model.cfg
+        attention_layers = sum(kind in "*P" for kind in cfg.layer_pattern)
+        stats = jax.devices()[0].memory_stats() or {}
+        if attention_layers and "bytes_limit" in stats:
+            per_token = 2 * attention_layers * cfg.num_kv_heads * cfg.head_dim
+            per_token *= jnp.dtype(self.model.dtype).itemsize
+            slots = options.get("max_slots", 8)
+            fits = int(_CACHE_MEMORY_FRACTION * stats["bytes_limit"]) // (per_token * slots)
+            length = max(1, min(length, fits))
+        return int(length)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's ``generation_config.json`` defaults."""
+        return SamplingParams().with_defaults(self.generation_defaults)
 
     # ------------------------------------------------------------------------ prompts
 
@@ -148,26 +233,33 @@ class LLM:
             **(self._special_tokens | variables),
         )
 
-    def _text_prompts(self, prompts: str | Sequence[str]) -> tuple[list[str], list[list[int]]]:
-        if isinstance(prompts, str):
+    def _prompts(self, prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | None, list[int]]]:
+        """``(text, token ids)`` of each prompt: a string, or ``{"prompt_token_ids": ids}``
+        (optionally with ``"prompt"``)."""
+        if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
             raise ValueError(f"prompts must be a string or a list of strings, got {prompts!r}")
-        prompts = list(prompts)
+        out = []
         for i, prompt in enumerate(prompts):
+            if isinstance(prompt, Mapping):
+                if "prompt_token_ids" not in prompt:
+                    raise ValueError(f"prompt {i}: a dict prompt needs 'prompt_token_ids'")
+                out.append((prompt.get("prompt"), list(prompt["prompt_token_ids"])))
+                continue
             if not isinstance(prompt, str):
                 raise ValueError(
-                    f"prompt {i} is a {type(prompt).__name__}, not text; for token ids use "
-                    "LLM.engine.generate"
+                    f"prompt {i} is a {type(prompt).__name__}, not text or "
+                    "{'prompt_token_ids': [...]}"
                 )
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
-        ids = [e.ids for e in self.tokenizer.encode_batch(prompts, add_special_tokens=True)]
-        return prompts, ids
+            out.append((prompt, self.encode(prompt)))
+        return out
 
     def _chat_prompts(
         self, messages: Conversation | Sequence[Conversation], add_generation_prompt: bool
-    ) -> tuple[list[str], list[list[int]]]:
+    ) -> list[tuple[str, list[int]]]:
         # One conversation (a list of message dicts) or a list of them.
         one = isinstance(messages, Sequence) and (not messages or isinstance(messages[0], Mapping))
         conversations = [messages] if one else list(messages)
@@ -176,163 +268,123 @@ class LLM:
             for c in conversations
         ]
         # The template writes the special tokens (BOS, role markers) itself.
-        ids = [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
-        return texts, ids
+        return [(text, self.encode(text, add_special_tokens=False)) for text in texts]
 
-    @staticmethod
     def _params(
-        sampling: SamplingParams | Sequence[SamplingParams] | None, count: int
+        self, sampling: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if sampling is None or isinstance(sampling, SamplingParams):
-            return [sampling or SamplingParams()] * count
-        params = list(sampling)
-        if len(params) != count:
-            raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
-        return params
+            params = [sampling or SamplingParams()] * count
+        else:
+            params = list(sampling)
+            if len(params) != count:
+                raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params {i} is a {type(p).__name__}")
+        return [p.with_defaults(self.generation_defaults) for p in params]
 
     # ------------------------------------------------------------------------ generation
 
     def generate(
         self,
-        prompts: str | Sequence[str],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
-    ) -> list[Completion]:
-        """One ``Completion`` per prompt, in order. ``sampling``: one ``SamplingParams`` for
-        all prompts, one per prompt, or None (greedy, 16 tokens). Every prompt and setting
-        is checked (``ValueError``: empty text, too long for ``max_len``, ...) before any
-        step runs. ``use_tqdm``: a progress bar over requests on stderr."""
-        texts, ids = self._text_prompts(prompts)
-        return self._generate(texts, ids, self._params(sampling, len(ids)), use_tqdm)
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per prompt, in order. ``sampling_params``: one for
+        all prompts, one per prompt, or None (``default_sampling_params``). Every prompt
+        and setting is checked (``ValueError``: empty text, too long, ...) before any step
+        runs. ``use_tqdm``: a progress bar over requests on stderr."""
+        prompts = self._prompts(prompts)
+        return self._run(prompts, self._params(sampling_params, len(prompts)), use_tqdm)
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
-    ) -> list[Completion]:
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role": ..., "content": ...}``) or to
-        each of a list of them, rendered with the chat template: one ``Completion`` per
+        each of a list of them, rendered with the chat template: one ``RequestOutput`` per
         conversation. ``ValueError`` when the directory has no chat template."""
-        texts, ids = self._chat_prompts(messages, add_generation_prompt)
-        return self._generate(texts, ids, self._params(sampling, len(ids)), use_tqdm)
+        prompts = self._chat_prompts(messages, add_generation_prompt)
+        return self._run(prompts, self._params(sampling_params, len(prompts)), use_tqdm)
 
     def stream(
-        self,
-        prompt: str | Conversation,
-        sampling: SamplingParams | None = None,
+        self, prompt: str | Conversation, sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yields the text of one completion in pieces as its tokens are drawn (never half
         a character, never text a stop string may still remove); the pieces put together
         are ``generate``'s text. ``prompt``: text, or a conversation (rendered with the
-        chat template). The generator returns the ``Completion`` (``StopIteration.value``).
-        Checked before the first step, like ``generate``."""
+        chat template). The generator returns the ``RequestOutput``
+        (``StopIteration.value``). Checked before the first step, like ``generate``."""
         if isinstance(prompt, str):
-            texts, ids = self._text_prompts(prompt)
+            prompts = self._prompts(prompt)
         else:
-            texts, ids = self._chat_prompts(prompt, True)
-            if len(texts) != 1:
+            prompts = self._chat_prompts(prompt, True)
+            if len(prompts) != 1:
                 raise ValueError("stream takes one prompt or one conversation")
-        runner = _Run(self, texts, ids, self._params(sampling, 1))
-        return _stream(runner)
+        (params,) = self._params(sampling_params, 1)
+        if params.n != 1:
+            raise ValueError(f"stream gives one completion; n={params.n}")
+        (request_id,) = self._add(prompts, [params])
+        return self._stream(request_id)
 
-    def _generate(
-        self,
-        texts: list[str],
-        ids: list[list[int]],
-        params: list[SamplingParams],
-        use_tqdm: bool,
-    ) -> list[Completion]:
-        runner = _Run(self, texts, ids, params)
+    def _stream(self, request_id: str) -> Iterator[str]:
+        sent = 0
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    text = output.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if output.finished:
+                        return output
+        finally:
+            self.engine.abort_request(request_id)  # a consumer that stops early
+
+    def _add(self, prompts: list[tuple[str | None, list[int]]], params) -> list[str]:
+        """Adds the requests (all or none: a bad one aborts those added before it)."""
+        ids: list[str] = []
+        try:
+            for (text, token_ids), p in zip(prompts, params, strict=True):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, token_ids, p, prompt=text)
+                ids.append(request_id)
+        except BaseException as error:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            if isinstance(error, ValueError) and len(prompts) > 1:
+                raise ValueError(f"prompt {len(ids)}: {error}") from None
+            raise
+        return ids
+
+    def _run(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
+        ids = self._add(prompts, params)
+        finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(texts), desc="generate", unit="request")
+            bar = tqdm(total=len(ids), desc="generate", unit="request")
         try:
-            for _index, _piece, done in runner:
-                if done and bar is not None:
-                    bar.update(1)
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in ids:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
         finally:
+            for request_id in ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
             if bar is not None:
                 bar.close()
-        return runner.completions()
-
-
-class _Run:
-    """One generation of text requests: iterating it runs the engine and yields
-    ``(index, new text, finished)`` after each token."""
-
-    def __init__(
-        self,
-        llm: LLM,
-        texts: list[str],
-        ids: list[list[int]],
-        params: list[SamplingParams],
-    ):
-        self.texts, self.ids, self.params = texts, ids, params
-        self.detokenizers = [
-            IncrementalDetokenizer(llm.tokenizer, prompt, stop=p.stop)
-            for prompt, p in zip(ids, params, strict=True)
-        ]
-        self.tokens: list[list[int]] = [[] for _ in ids]
-        self.finish: list[str] = ["length"] * len(ids)  # max_new_tokens=0: "length", empty
-        self.stop_reason: list[str | int | None] = [None] * len(ids)
-        # Checks everything before the first step.
-        self.events = llm.engine.stream(
-            ids, params, eos_ids=llm.eos_token_ids, stop=self._add_token
-        )
-
-    def _add_token(self, index: int, token: int) -> bool:
-        """The engine's host callback after each token that is not an eos/stop token."""
-        return self.detokenizers[index].add(token)
-
-    def __iter__(self) -> Iterator[tuple[int, str, bool]]:
-        for index, token, reason in self.events:
-            self.tokens[index].append(token)
-            detokenizer = self.detokenizers[index]
-            if reason is None:
-                yield index, detokenizer.release(), False
-                continue
-            self.finish[index] = reason
-            if detokenizer.stopped:
-                self.stop_reason[index] = detokenizer.stop_string
-            elif reason == "stop":
-                self.stop_reason[index] = token
-            yield index, detokenizer.finish(), True
-
-    def completions(self) -> list[Completion]:
-        for detokenizer in self.detokenizers:
-            detokenizer.finish()
-        return [
-            Completion(
-                text=d.text,
-                token_ids=list(tokens),
-                finish_reason=finish,
-                stop_reason=stop_reason,
-                prompt=text,
-                prompt_token_ids=list(ids),
-            )
-            for d, tokens, finish, stop_reason, text, ids in zip(
-                self.detokenizers,
-                self.tokens,
-                self.finish,
-                self.stop_reason,
-                self.texts,
-                self.ids,
-                strict=True,
-            )
-        ]
-
-
-def _stream(runner: _Run) -> Iterator[str]:
-    try:
-        for _, piece, _ in runner:
-            if piece:
-                yield piece
-    finally:
-        runner.events.close()  # a consumer that stops early gives the slots back
-    return runner.completions()[0]
+        return [finished[request_id] for request_id in ids]

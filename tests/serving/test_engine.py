@@ -58,10 +58,11 @@ def backend_compiles():
 
 def program_count(engine: Engine) -> int:
     """A step program per bucket (its greedy tokens included), and the sampler's two
-    (drawing, drawing with top-k/top-p) per count of sequence rows."""
+    (drawing, drawing with top-k/top-p) and the log-probabilities' per count of sequence
+    rows."""
     builder = engine.builder
     row_counts = {d + (builder.prefill_seqs if t else 0) for d, t in builder.buckets()}
-    return len(builder.buckets()) + 2 * len(row_counts)
+    return len(builder.buckets()) + 3 * len(row_counts)
 
 
 def random_prompts(rng, vocab: int, lengths) -> list[list[int]]:
