@@ -379,7 +379,7 @@ def _stream_timing(
         token_buckets=(16, context),
     )
     prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, context)]
-    greedy = SamplingParams(max_new_tokens=STREAM_TOKENS)
+    greedy = SamplingParams(max_new_tokens=STREAM_TOKENS, temperature=0.0)
     for _ in engine.stream([prompt], greedy):  # compiles the prefill and decode steps
         pass
     arrivals = [time.perf_counter() for _ in engine.stream([prompt], greedy)]

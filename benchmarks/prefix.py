@@ -85,7 +85,7 @@ def run_trace(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> 
     tokens."""
     before = dict(engine.stats)
     start = time.perf_counter()
-    events = engine.stream(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    events = engine.stream(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
     ttft: dict[int, float] = {}
     generated: list[list[int]] = [[] for _ in prompts]
     for event in events:

@@ -249,11 +249,11 @@ def model_demo(checkpoint: str | None, implementation: str, seed: int = 0) -> di
     """Generates for a ragged batch; returns the per-request tokens and the statistics."""
     from flax import nnx
 
-    from flax_models.batching import Request
     from flax_models.checkpoint import load_hf_checkpoint
     from flax_models.config import HybridConfig
-    from flax_models.engine import Engine
     from flax_models.model import HybridLM
+    from flax_models.serving.batching import Request
+    from flax_models.serving.engine import Engine
 
     def build(impl):
         if checkpoint:
@@ -296,8 +296,8 @@ TEXT_FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "
 def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
     """Text through ``LLM``: a batch with per-request settings, a stream, a chat reply.
     Returns the lines it printed."""
-    from flax_models.serving.llm import LLM
     from flax_models.serving.sampling import SamplingParams
+    from flax_models.serving.text import LLM
 
     lines: list[str] = []
 
@@ -305,7 +305,9 @@ def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
         lines.append(line)
         print(line)
 
-    llm = LLM(directory, implementation=implementation, max_slots=4, max_len=96, token_budget=32)
+    llm = LLM(
+        directory, implementation=implementation, max_slots=4, max_model_len=96, token_budget=32
+    )
     shown = os.path.relpath(directory) if Path(directory).is_absolute() else directory
     say(
         f"\ntext: {shown} (tokenizer of {llm.tokenizer.get_vocab_size()} tokens, eos ids "
@@ -313,14 +315,14 @@ def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
     )
     prompts = ["Hello world", "The quick brown fox", "Café 😀 日本語", "Once upon a time"]
     sampling = [
-        SamplingParams(max_new_tokens=12),
-        SamplingParams(max_new_tokens=12, stop=["xo"]),
-        SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1),
-        SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20, seed=2),
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=12, temperature=0.0, stop=["xo"]),
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=2),
     ]
-    for prompt, params, completion in zip(
-        prompts, sampling, llm.generate(prompts, sampling), strict=True
-    ):
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    for prompt, params, output in zip(prompts, sampling, outputs, strict=True):
+        completion = output.outputs[0]
         settings = (
             "greedy"
             if params.greedy
@@ -335,8 +337,10 @@ def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
     pieces = list(llm.stream("Hello world", sampling[2]))
     say(f"  stream 'Hello world' -> {pieces}")
     messages = [{"role": "user", "content": "Hi! Tell me a story."}]
-    reply = llm.chat(messages, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))[0]
-    say(f"  chat prompt {reply.prompt!r} -> {reply.text!r} [{reply.finish_reason}]")
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
+    reply = llm.chat(messages, params, use_tqdm=False)[0]
+    completion = reply.outputs[0]
+    say(f"  chat prompt {reply.prompt!r} -> {completion.text!r} [{completion.finish_reason}]")
     return lines
 
 

@@ -25,12 +25,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-import jax.numpy as jnp
-
 from flax_models.serving.sampling import SamplingParams
 from flax_models.serving.text import LLM
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -41,15 +37,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt; its completion streams to stdout")
     source.add_argument("--prompts-file", help="a text file, one prompt per line")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
     parser.add_argument("--system", default=None, help="a system message (with --chat)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto"
+    )
     parser.add_argument(
         "--implementation", choices=["auto", "xla", "triton", "mosaic"], default="auto"
     )
@@ -79,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sampling = [
             SamplingParams(
-                max_new_tokens=args.max_new_tokens,
+                max_tokens=args.max_tokens,
                 temperature=args.temperature,
                 top_k=args.top_k,
                 top_p=args.top_p,
@@ -93,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_slots = args.max_slots or (1 if args.prompt is not None else min(8, len(prompts)))
     llm = LLM(
         args.directory,
-        dtype=_DTYPES[args.dtype],
+        dtype=args.dtype,
         implementation=args.implementation,
         max_slots=max_slots,
-        max_len=args.max_len or 256,
+        max_model_len=args.max_len or 256,
         token_budget=args.token_budget,
     )
     if args.warmup:
@@ -120,14 +118,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except StopIteration as done:
-            completions = [done.value]
+            completions = [done.value.outputs[0]]
         sys.stdout.write("\n")
     else:
         if args.chat:
             conversations = [_conversation(p, args.system) for p in prompts]
-            completions = llm.chat(conversations, sampling, use_tqdm=True)
+            outputs = llm.chat(conversations, sampling, use_tqdm=True)
         else:
-            completions = llm.generate(prompts, sampling, use_tqdm=True)
+            outputs = llm.generate(prompts, sampling, use_tqdm=True)
+        completions = [output.outputs[0] for output in outputs]
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             record = dict(
                 index=i,

@@ -242,7 +242,7 @@ def test_a_stream_stopped_within_a_step_leaves_no_snapshot_behind():
     cached = cached_engine("bamba")
     bs = cached.block_size
     prompts = random_prompts(np.random.default_rng(7), cached.cfg.vocab_size, (bs + 3, bs + 3))
-    sampling = SamplingParams(max_new_tokens=3)
+    sampling = SamplingParams(max_new_tokens=3, temperature=0.0)
     for events in range(1, 5):
         cached.clear_prefix_cache()
         stream = cached.stream(prompts, sampling)

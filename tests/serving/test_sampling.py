@@ -120,7 +120,7 @@ def test_a_rows_draw_depends_on_its_key_and_logits_only():
         ("temperature", float("inf")),
         ("temperature", "1"),
         ("top_k", 2.5),
-        ("top_k", 0),
+        ("top_k", -2),
         ("top_k", True),
         ("top_p", 0.0),
         ("top_p", 1.5),
@@ -129,8 +129,12 @@ def test_a_rows_draw_depends_on_its_key_and_logits_only():
         ("seed", -1),
         ("seed", 2**32),
         ("seed", 1.5),
-        ("max_new_tokens", -1),
-        ("max_new_tokens", 2.0),
+        ("max_tokens", -1),
+        ("max_tokens", 2.0),
+        ("n", 0),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("ignore_eos", 1),
         ("stop", [""]),
         ("stop", [3]),
         ("stop_token_ids", [-1]),
@@ -147,7 +151,13 @@ def test_sampling_params_are_canonical():
     assert params.temperature == 1.0 and isinstance(params.temperature, float)
     assert params.stop == ("END",) and params.stop_token_ids == (7,)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=np.array([3, 4])).stop_token_ids == (3, 4)
-    assert SamplingParams() == SamplingParams(16, 0.0, None, None, 0, (), ())
+    # vLLM's defaults and order: n, temperature, top_p, top_k, seed, stop, stop_token_ids,
+    # max_tokens, logprobs, ignore_eos; top_k 0 and None mean off, as -1.
+    assert SamplingParams() == SamplingParams(1, 1.0, 1.0, -1, None, (), (), 16, None, False)
+    assert SamplingParams(top_k=0) == SamplingParams(top_k=None) == SamplingParams()
+    assert SamplingParams(max_new_tokens=5) == SamplingParams(max_tokens=5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=5, max_new_tokens=5)
     assert hash(SamplingParams(stop=["x"])) == hash(SamplingParams(stop=("x",)))
 
 
@@ -156,3 +166,12 @@ def test_sample_tokens_checks_scalar_settings():
     for settings in (dict(top_k=0), dict(top_k=1.5), dict(top_p=0.0), dict(top_p=2.0)):
         with pytest.raises(ValueError, match="top_"):
             sample_tokens(logits, jax.random.key(0), 1.0, **settings)
+
+
+def test_unset_sampling_fields_take_the_generation_defaults():
+    """Only the fields a caller left unset take generation_config.json's values."""
+    defaults = {"temperature": 0.6, "top_p": 0.9, "max_tokens": 7}
+    params = SamplingParams(temperature=0.0, seed=3).with_defaults(defaults)
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (0.0, 0.9, 7, 3)
+    assert SamplingParams().with_defaults(defaults).temperature == 0.6
+    assert SamplingParams(top_p=1.0).with_defaults(defaults).top_p == 1.0

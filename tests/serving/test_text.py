@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +20,38 @@ import pytest
 pytest.importorskip("tokenizers")
 jinja2 = pytest.importorskip("jinja2")
 
-from flax_models import LLM, Completion, SamplingParams  # noqa: E402
+from flax_models import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 from flax_models.serving import cli as generate_cli  # noqa: E402
 from flax_models.serving.chat import render_chat  # noqa: E402
 from flax_models.serving.detokenize import IncrementalDetokenizer  # noqa: E402
 
 TEXT = Path(__file__).parent.parent / "fixtures" / "text"
 UNICODE = "Café 😀 日本語 🚀★ naïve → ok"
+
+
+def _completions(outputs: list[RequestOutput]) -> list[types.SimpleNamespace]:
+    """Each finished request's first completion, with its request's prompt fields."""
+    done = []
+    for output in outputs:
+        assert isinstance(output, RequestOutput) and output.finished
+        (completion,) = output.outputs
+        assert isinstance(completion, CompletionOutput)
+        done.append(
+            types.SimpleNamespace(
+                **vars(completion),
+                prompt=output.prompt,
+                prompt_token_ids=output.prompt_token_ids,
+            )
+        )
+    return done
+
+
+def generate(llm: LLM, prompts, sampling=None):
+    return _completions(llm.generate(prompts, sampling, use_tqdm=False))
+
+
+def chat(llm: LLM, messages, sampling=None):
+    return _completions(llm.chat(messages, sampling, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -93,26 +119,32 @@ def test_streamed_text_holds_back_a_possible_stop_string_start(llm):
 
 def test_generate_returns_one_completion_per_prompt_in_order(llm):
     prompts = ["Hello world", UNICODE, "The quick brown fox", "Once upon a time", "x"]
-    completions = llm.generate(prompts, SamplingParams(max_new_tokens=6))
+    completions = generate(llm, prompts, SamplingParams(temperature=0.0, max_new_tokens=6))
     assert [c.prompt for c in completions] == prompts
     engine_ids = llm.engine.generate([llm.encode(p) for p in prompts], 6)
     for completion, ids in zip(completions, engine_ids, strict=True):
-        assert isinstance(completion, Completion)
         assert completion.token_ids == ids and completion.finish_reason == "length"
         assert completion.text == llm.decode(ids)
-    single = llm.generate("Hello world", SamplingParams(max_new_tokens=6))
+    single = generate(llm, "Hello world", SamplingParams(temperature=0.0, max_new_tokens=6))
     assert len(single) == 1 and single[0].token_ids == completions[0].token_ids
-    assert llm.generate(["a", "b"], SamplingParams(max_new_tokens=0))[1].token_ids == []
+    assert (
+        generate(llm, ["a", "b"], SamplingParams(temperature=0.0, max_new_tokens=0))[1].token_ids
+        == []
+    )
 
 
 def test_stop_string_ends_a_completion_and_is_cut_from_its_text(llm):
-    greedy = llm.generate("The quick brown fox", SamplingParams(max_new_tokens=8))[0]
+    greedy = generate(
+        llm, "The quick brown fox", SamplingParams(temperature=0.0, max_new_tokens=8)
+    )[0]
     # This random model repeats one two-character token: "xo" needs two of them.
     token_text = llm.decode(greedy.token_ids[:1])
     assert len(token_text) == 2 and greedy.text == token_text * 8
     stop = token_text[1] + token_text[0]
-    stopped = llm.generate(
-        "The quick brown fox", SamplingParams(max_new_tokens=8, stop=["never", stop])
+    stopped = generate(
+        llm,
+        "The quick brown fox",
+        SamplingParams(temperature=0.0, max_new_tokens=8, stop=["never", stop]),
     )[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == token_text[0]
@@ -121,17 +153,23 @@ def test_stop_string_ends_a_completion_and_is_cut_from_its_text(llm):
 
 def test_eos_and_stop_token_ids_end_a_completion(llm):
     assert llm.eos_token_ids == {2, 6}  # generation_config.json lists two
-    greedy = llm.generate("Hello world", SamplingParams(max_new_tokens=5))[0]
+    greedy = generate(llm, "Hello world", SamplingParams(temperature=0.0, max_new_tokens=5))[0]
     token = greedy.token_ids[0]
-    stopped = llm.generate("Hello world", SamplingParams(max_new_tokens=5, stop_token_ids=[token]))
+    stopped = generate(
+        llm,
+        "Hello world",
+        SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=[token]),
+    )
     assert stopped[0].token_ids == [token] and stopped[0].text == ""
     assert stopped[0].finish_reason == "stop" and stopped[0].stop_reason == token
     eos_ids = llm.eos_token_ids
     try:
-        llm.eos_token_ids = eos_ids | {token}  # as if the checkpoint's eos were this token
-        assert llm.generate("Hello world")[0].token_ids == [token]
+        llm.engine.eos_token_ids = eos_ids | {token}  # as if the checkpoint's eos were this
+        assert generate(llm, "Hello world", SamplingParams(temperature=0.0))[0].token_ids == [token]
+        ignored = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        assert generate(llm, "Hello world", ignored)[0].token_ids == greedy.token_ids[:3]
     finally:
-        llm.eos_token_ids = eos_ids
+        llm.engine.eos_token_ids = eos_ids
 
 
 @pytest.mark.parametrize(
@@ -161,11 +199,11 @@ def test_empty_and_over_long_prompts_raise_before_any_step(llm):
         ([[1, 2, 3]], "not text"),
     ):
         with pytest.raises(ValueError, match=match):
-            llm.generate(prompts, SamplingParams(max_new_tokens=8))
+            generate(llm, prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
     with pytest.raises(ValueError, match="exceed max_len=64"):
-        llm.generate("Hello", SamplingParams(max_new_tokens=64))
+        generate(llm, "Hello", SamplingParams(temperature=0.0, max_new_tokens=64))
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
-        llm.generate("Hello", [SamplingParams(), SamplingParams()])
+        generate(llm, "Hello", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)])
     with pytest.raises(ValueError, match="empty"):
         llm.stream("")
     assert (llm.engine.compile_count, dict(llm.engine.stats)) == before
@@ -173,19 +211,20 @@ def test_empty_and_over_long_prompts_raise_before_any_step(llm):
 
 def test_stream_gives_the_text_of_generate(llm):
     sampling = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=3)
-    expected = llm.generate(UNICODE, sampling)[0]
+    expected = generate(llm, UNICODE, sampling)[0]
     stream = llm.stream(UNICODE, sampling)
     pieces = []
     with pytest.raises(StopIteration) as done:
         while True:
             pieces.append(next(stream))
     assert "".join(pieces) == expected.text and all(pieces)
-    assert done.value.value == expected  # the generator returns the Completion
+    (returned,) = _completions([done.value.value])  # the generator returns the RequestOutput
+    assert returned == expected
     # With a stop string taken from the middle of that text.
     middle = expected.text[len(expected.text) // 2 :][:3]
     assert len(middle) == 3
     stopped = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=3, stop=[middle])
-    completion = llm.generate(UNICODE, stopped)[0]
+    completion = generate(llm, UNICODE, stopped)[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == middle
     assert completion.text == expected.text[: expected.text.index(middle)]
     assert "".join(llm.stream(UNICODE, stopped)) == completion.text
@@ -206,14 +245,15 @@ def test_sampled_tokens_do_not_depend_on_the_batch(llm):
     """A request's tokens depend on its own seed and prompt: alone or third of four (other
     prompts, seeds and settings around it), the same tokens."""
     target = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, seed=11)
-    alone = llm.generate("Once upon a time", target)[0].token_ids
-    batch = llm.generate(
+    alone = generate(llm, "Once upon a time", target)[0].token_ids
+    batch = generate(
+        llm,
         ["Hello world", UNICODE, "Once upon a time", "The quick brown fox"],
         [
             SamplingParams(max_new_tokens=4, temperature=0.7, seed=11),
             SamplingParams(max_new_tokens=12, top_p=0.5, temperature=1.2, seed=5),
             target,
-            SamplingParams(max_new_tokens=10),
+            SamplingParams(temperature=0.0, max_new_tokens=10),
         ],
     )
     assert batch[2].token_ids == alone
@@ -223,7 +263,7 @@ def test_sampled_tokens_do_not_depend_on_the_batch(llm):
 def test_same_seed_same_tokens_other_seed_other_tokens(llm):
     def run(seed):
         sampling = SamplingParams(max_new_tokens=10, temperature=1.0, seed=seed)
-        return llm.generate(["Hello world", "Hello world"], sampling)
+        return generate(llm, ["Hello world", "Hello world"], sampling)
 
     first, again, other = run(0), run(0), run(1)
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
@@ -232,12 +272,12 @@ def test_same_seed_same_tokens_other_seed_other_tokens(llm):
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
-    greedy = llm.generate(UNICODE, SamplingParams(max_new_tokens=6))[0].token_ids
+    greedy = generate(llm, UNICODE, SamplingParams(temperature=0.0, max_new_tokens=6))[0].token_ids
     for sampling in (
         SamplingParams(max_new_tokens=6, temperature=1.5, top_k=1, seed=4),
         SamplingParams(max_new_tokens=6, temperature=0.8, top_p=1e-6, seed=4),
     ):
-        assert llm.generate(UNICODE, sampling)[0].token_ids == greedy
+        assert generate(llm, UNICODE, sampling)[0].token_ids == greedy
 
 
 # ---------------------------------------------------------------- chat
@@ -250,17 +290,17 @@ def test_chat_applies_the_template_like_transformers(llm):
     ]
     rendered = llm.apply_chat_template(messages)
     assert rendered == "<|bos|><|system|>Be brief.<|end|>\n<|user|>Hi! 😀<|end|>\n<|assistant|>"
-    (reply,) = llm.chat(messages, SamplingParams(max_new_tokens=4))
+    (reply,) = chat(llm, messages, SamplingParams(temperature=0.0, max_new_tokens=4))
     assert reply.prompt == rendered
     assert reply.prompt_token_ids == llm.encode(rendered, add_special_tokens=False)
     assert reply.prompt_token_ids[:2] == [1, 5]  # <|bos|> <|system|>: special tokens
-    replies = llm.chat([messages, messages[1:]], SamplingParams(max_new_tokens=4))
+    replies = chat(llm, [messages, messages[1:]], SamplingParams(temperature=0.0, max_new_tokens=4))
     assert replies[0].token_ids == reply.token_ids and len(replies) == 2
     assert llm.apply_chat_template(messages, add_generation_prompt=False).endswith("<|end|>\n")
     with pytest.raises(jinja2.TemplateError, match="unknown role: robot"):
-        llm.chat([{"role": "robot", "content": "beep"}])
+        chat(llm, [{"role": "robot", "content": "beep"}])
     with pytest.raises(ValueError, match="'role'"):
-        llm.chat([{"content": "no role"}])
+        chat(llm, [{"content": "no role"}])
 
 
 def test_render_chat_uses_transformers_jinja_settings():
@@ -283,7 +323,7 @@ def test_chat_without_a_template_is_a_clear_error(tmp_path):
         (tmp_path / name).symlink_to((TEXT / name).resolve())
     llm = LLM(tmp_path, implementation="xla")
     with pytest.raises(ValueError, match="no chat template"):
-        llm.chat([{"role": "user", "content": "Hi"}])
+        chat(llm, [{"role": "user", "content": "Hi"}])
 
 
 def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path):
@@ -300,7 +340,7 @@ def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path):
 def test_generate_cli_streams_a_completion(llm, monkeypatch, capsys):
     monkeypatch.setattr(generate_cli, "LLM", lambda *args, **kwargs: llm)
     sampling = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=2)
-    expected = llm.generate("Hello world", sampling)[0].text
+    expected = generate(llm, "Hello world", sampling)[0].text
     argv = [str(TEXT), "--prompt", "Hello world", "--max-new-tokens", "12"]
     assert generate_cli.main([*argv, "--temperature", "0.8", "--top-p", "0.9", "--seed", "2"]) == 0
     out = capsys.readouterr().out
@@ -325,7 +365,7 @@ def test_generate_cli_runs_a_prompts_file(llm, monkeypatch, capsys, tmp_path):
         3,
         4,
     ]
-    greedy = llm.generate(kept, SamplingParams(max_new_tokens=5))
+    greedy = generate(llm, kept, SamplingParams(temperature=0.0, max_new_tokens=5))
     assert [r["text"] for r in records] == [c.text for c in greedy]
     assert "tokens/s" in captured.err and "5/5" in captured.err  # tqdm over requests
 
