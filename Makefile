@@ -27,7 +27,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m flax_models.demo
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m flax_models.generate tests/fixtures/text \
-	  --prompt "Once upon a time" --max-new-tokens 24 --temperature 0.8 --top-p 0.9 --seed 1
+	  --prompt "Once upon a time" --max-tokens 24 --temperature 0.8 --top-p 0.9 --seed 1
 
 lint: $(STAMP)
 	$(PY) -m ruff check pallas_kernels flax_models tests benchmarks tools notebooks
