@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels as pk
 from flax_models.config import HybridConfig
 from flax_models.sharding import TP, dp_size, local_config, split_groups, tp_size
 
@@ -148,7 +149,6 @@ def restore_snapshots(
     """Copies snapshot ``snapshot_ids[b]`` into slot ``slot_ids[b]`` of every Mamba2 layer's
     conv and SSM states (jittable; ``snapshot_ids[b] < 0`` or a padding slot copies
     nothing). Caches without snapshot pools come back unchanged."""
-    from pallas_kernels.ssd.api import scatter_states
 
     def restore(cache: MambaCache) -> MambaCache:
         if not cache.has_snapshots:
@@ -157,8 +157,8 @@ def restore_snapshots(
         src = jnp.clip(snapshot_ids, 0, cache.snapshot_ssm.shape[0] - 1)
         return dataclasses.replace(
             cache,
-            conv_state=scatter_states(cache.conv_state, cache.snapshot_conv[src], dst),
-            ssm_state=scatter_states(cache.ssm_state, cache.snapshot_ssm[src], dst),
+            conv_state=pk.slots.scatter_states(cache.conv_state, cache.snapshot_conv[src], dst),
+            ssm_state=pk.slots.scatter_states(cache.ssm_state, cache.snapshot_ssm[src], dst),
         )
 
     def layer(cache: LayerCache) -> LayerCache:

@@ -32,7 +32,6 @@ from flax_models.layers import MLP, Attention, Mamba2Mixer, ParallelHybridMixer,
 from flax_models.layers.linear import Linear, linear_kwargs, matmul
 from flax_models.layers.moe import MoE
 from flax_models.sharding import check_tp, state_shardings, tp_layout, tp_size, with_tp_axis
-from pallas_kernels.backend import IMPLEMENTATIONS, backend_names
 
 # A model-level implementation names a backend family: "the best it has for each op". Mosaic
 # GPU kernels exist only for the tensor-core-bound ops, Triton kernels for every op, so
@@ -52,10 +51,10 @@ def layer_implementation(implementation: str | Sequence[str]) -> str | tuple[str
     ``implementation`` ("auto" | "xla" | "triton" | "mosaic", or a sequence of backend
     names, first that serves a call wins, passed through as a tuple)."""
     if isinstance(implementation, str):
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+        if implementation not in pk.IMPLEMENTATIONS:
+            raise ValueError(f"{implementation=} must be one of {pk.IMPLEMENTATIONS}")
         return _FAMILY_BACKENDS.get(implementation, implementation)
-    return backend_names(implementation)
+    return pk.backend_names(implementation)
 
 
 def norm_implementation(

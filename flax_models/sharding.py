@@ -55,10 +55,10 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels as pk
 from flax_models.batch import ForwardBatch
 from flax_models.config import HybridConfig
 from flax_models.lazy_tensors import LazyTensor
-from pallas_kernels.all_reduce import all_reduce
 
 PyTree = Any  # an array or a nested tuple, list or dict of arrays
 TP = "tp"  # the mesh axis the heads are split over
@@ -135,7 +135,7 @@ def psum_tp(
         implementation = (implementation,)
     if not kernel_mesh(mesh):
         implementation = "xla"
-    return all_reduce(x, TP, implementation=implementation)
+    return pk.all_reduce(x, TP, implementation=implementation)
 
 
 def kernel_mesh(mesh: Mesh | None) -> bool:

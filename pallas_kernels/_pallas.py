@@ -53,6 +53,25 @@ def masked_load(ref, mask: jax.Array | None) -> jax.Array:
     return plgpu.load(ref, mask=mask, other=0.0)
 
 
+def outer_mask(
+    a: jax.Array | None, b: jax.Array | None, shape: tuple[int, int]
+) -> jax.Array | None:
+    """The ``shape`` mask ``a[:, None] & b[None, :]``; either may be None (no mask on that
+    axis), both None gives None (an unmasked load)."""
+    if a is None and b is None:
+        return None
+    a = jnp.ones((shape[0],), jnp.bool_) if a is None else a
+    b = jnp.ones((shape[1],), jnp.bool_) if b is None else b
+    return a[:, None] & b[None, :]
+
+
+def tail_mask(start, block: int, size: int) -> jax.Array | None:
+    """``start + arange(block) < size``, or None when every block is full."""
+    if size % block == 0:
+        return None
+    return start + jnp.arange(block) < size
+
+
 def static_index(i: int) -> jax.Array:
     """A static ref index as a scalar array (``ref.at[static_index(k)]``): interpret mode
     cannot discharge plain Python ints in a ref indexer (jax 0.11.2)."""

@@ -17,8 +17,6 @@ from flax_models.cache import MambaCache, mamba_cache_spec
 from flax_models.config import HybridConfig
 from flax_models.layers.linear import Linear, linear_kwargs, matmul, scaled
 from flax_models.sharding import TP, psum_tp, shard_call, tp_size
-from pallas_kernels._common import silu
-from pallas_kernels.ssd.api import gather_states, live_rows, scatter_states, write_final_states
 
 
 class Mamba2Mixer(nnx.Module):
@@ -260,7 +258,7 @@ class Mamba2Mixer(nnx.Module):
         f32 = jnp.float32
         before_gate = self.cfg.mamba_norm_before_gate
         u = y.astype(f32)
-        gate = None if z is None else silu(z.astype(f32))
+        gate = None if z is None else jax.nn.silu(z.astype(f32))
         if gate is not None and not before_gate:
             u = u * gate
         terms = u * self.norm_weight[...].astype(f32)
@@ -406,7 +404,7 @@ class Mamba2Mixer(nnx.Module):
         # each sequence is its last chunk's, and chunks ending on a block boundary are the
         # snapshots (chunk alignment puts a chunk end on every multiple of the chunk size).
         chunks = batch.chunks
-        initial = gather_states(cache.ssm_state, slot_ids, has_state)
+        initial = pk.slots.gather_states(cache.ssm_state, slot_ids, has_state)
         y, states = pk.ssd_scan(
             x,
             dt,
@@ -419,9 +417,9 @@ class Mamba2Mixer(nnx.Module):
             **scan,
         )
         final = states[jnp.maximum(chunks.last_chunk_indices, 0)]
-        ssm_state = write_final_states(cache.ssm_state, final, chunks, slot_ids)
+        ssm_state = pk.slots.write_final_states(cache.ssm_state, final, chunks, slot_ids)
         # Rows of padding sequences give 0, as the state_cache path does.
-        live = live_rows(y.shape[0], chunks, slot_ids)
+        live = pk.slots.live_rows(y.shape[0], chunks, slot_ids)
         y = jnp.where(live[:, None, None], y, jnp.zeros((), y.dtype)).reshape(y.shape[0], -1)
         snapshot_conv, snapshot_ssm = self._prefill_snapshots(
             batch, conv_inputs, conv_before, states, cache
@@ -467,7 +465,7 @@ class Mamba2Mixer(nnx.Module):
         last = batch.chunks.last_chunk_indices[seq]
         chunk = last - (-(-(computed + new) // cs) - pos // cs)
         chunk = jnp.clip(chunk, 0, states.shape[0] - 1)
-        snapshot_ssm = scatter_states(cache.snapshot_ssm, states[chunk], ids)
+        snapshot_ssm = pk.slots.scatter_states(cache.snapshot_ssm, states[chunk], ids)
 
         at = pos[:, None] - K1 + jnp.arange(K1)[None, :]  # [Q, K-1] absolute positions
         from_new = at >= computed[:, None]
@@ -479,7 +477,7 @@ class Mamba2Mixer(nnx.Module):
             conv_inputs[rows].astype(conv_before.dtype),
             conv_before[slot[:, None], old_index],
         )
-        snapshot_conv = scatter_states(cache.snapshot_conv, window, ids)
+        snapshot_conv = pk.slots.scatter_states(cache.snapshot_conv, window, ids)
         return snapshot_conv, snapshot_ssm
 
     def _save_decode_snapshots(self, batch: ForwardBatch, cache: MambaCache) -> MambaCache:
@@ -492,6 +490,6 @@ class Mamba2Mixer(nnx.Module):
         slot = jnp.clip(batch.slot_ids[rows], 0, cache.ssm_state.shape[0] - 1)
         return dataclasses.replace(
             cache,
-            snapshot_conv=scatter_states(cache.snapshot_conv, cache.conv_state[slot], ids),
-            snapshot_ssm=scatter_states(cache.snapshot_ssm, cache.ssm_state[slot], ids),
+            snapshot_conv=pk.slots.scatter_states(cache.snapshot_conv, cache.conv_state[slot], ids),
+            snapshot_ssm=pk.slots.scatter_states(cache.snapshot_ssm, cache.ssm_state[slot], ids),
         )

@@ -29,7 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _validation as checks
-from pallas_kernels.attention import kv_cache, mosaic, mosaic_backward, reference, triton
+from pallas_kernels.attention import (
+    kv_cache,
+    mosaic,
+    mosaic_config,
+    mosaic_vjp,
+    reference,
+    triton,
+    triton_config,
+)
 from pallas_kernels.attention._layout import jit_attention
 from pallas_kernels.backend import Backend, Call, Implementation, Op
 
@@ -39,9 +47,9 @@ def _page_size(k_cache: jax.Array, block_table: jax.Array | None) -> int | None:
     return None if block_table is None else k_cache.shape[1]
 
 
-def _triton_default_config(q, k_cache, *_, block_table=None, **__) -> triton.BlockSizes:
+def _triton_default_config(q, k_cache, *_, block_table=None, **__) -> triton_config.BlockSizes:
     page_size = _page_size(k_cache, block_table)
-    return triton.default_block_sizes(
+    return triton_config.default_block_sizes(
         num_tokens=q.shape[0],
         num_q_heads=q.shape[1],
         num_kv_heads=k_cache.shape[2],
@@ -52,15 +60,23 @@ def _triton_default_config(q, k_cache, *_, block_table=None, **__) -> triton.Blo
     )
 
 
-def _triton_check_config(config: triton.BlockSizes, q, k_cache, *_, block_table=None, **__):
-    triton.check_paged_block_sizes(config, _page_size(k_cache, block_table))
+def _triton_check_config(config: triton_config.BlockSizes, q, k_cache, *_, block_table=None, **__):
+    triton_config.check_paged_block_sizes(config, _page_size(k_cache, block_table))
 
 
 def _mosaic_attention(
-    q, k_cache, v_cache, *, causal, sm_scale, sliding_window, config: mosaic.BlockSizes, **batch
+    q,
+    k_cache,
+    v_cache,
+    *,
+    causal,
+    sm_scale,
+    sliding_window,
+    config: mosaic_config.BlockSizes,
+    **batch,
 ) -> jax.Array:
     """The Mosaic GPU kernel; its gradients run the Mosaic dQ and dK/dV kernels
-    (``mosaic_backward``) from the logsumexp it saves under differentiation."""
+    (``mosaic_vjp``) from the logsumexp it saves under differentiation."""
     return jit_attention(
         triton.differentiable_attention,
         q,
@@ -74,8 +90,8 @@ def _mosaic_attention(
             block_sizes=_triton_default_config(q, k_cache, **batch),
             primal=mosaic.prefill_attention,
             primal_config=config,
-            dq_kernel=mosaic_backward.dq_gradient,
-            dkv_kernel=mosaic_backward.dkv_gradients,
+            dq_kernel=mosaic_vjp.dq_gradient,
+            dkv_kernel=mosaic_vjp.dkv_gradients,
         ),
     )
 
@@ -86,13 +102,13 @@ MASKED_TAIL_ATTENTION = Op(
         Backend(
             "mosaic",
             _mosaic_attention,
-            config_type=mosaic.BlockSizes,
+            config_type=mosaic_config.BlockSizes,
             default_config=lambda q, k_cache, *_, block_table=None, **__: (
-                mosaic.default_block_sizes(page_size=_page_size(k_cache, block_table))
+                mosaic_config.default_block_sizes(page_size=_page_size(k_cache, block_table))
             ),
-            supports=mosaic.supports,
+            supports=mosaic_config.supports,
             check_config=lambda config, q, k_cache, *_, block_table=None, **__: (
-                mosaic.check_block_sizes(
+                mosaic_config.check_block_sizes(
                     config, num_q_heads=q.shape[1], page_size=_page_size(k_cache, block_table)
                 )
             ),
@@ -100,9 +116,9 @@ MASKED_TAIL_ATTENTION = Op(
         Backend(
             "triton",
             triton.masked_tail_attention,
-            config_type=triton.BlockSizes,
+            config_type=triton_config.BlockSizes,
             default_config=_triton_default_config,
-            supports=triton.supports,
+            supports=triton_config.supports,
             check_config=_triton_check_config,
         ),
         Backend("xla", reference.masked_tail_attention),
@@ -231,7 +247,7 @@ def masked_tail_attention(
     sliding_window: int | None = None,
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: mosaic.BlockSizes | triton.BlockSizes | None = None,
+    config: mosaic_config.BlockSizes | triton_config.BlockSizes | None = None,
 ) -> jax.Array:
     """Attention of packed queries over a slot-indexed or paged KV cache, skipping masked
     KV tails.
@@ -268,8 +284,8 @@ def masked_tail_attention(
         to take the first that serves the call (see ``pallas_kernels.backend``). ``mosaic``
         serves prefill batches in bf16/fp16 with head dim 64 or 128 and T, L multiples of
         8 on Hopper; asked for by name on any other call it raises ``ValueError``.
-      config: the chosen backend's block sizes (``attention.mosaic.BlockSizes`` or
-        ``attention.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``attention.mosaic_config.BlockSizes`` or
+        ``attention.triton_config.BlockSizes``).
 
     Returns:
       out[T, Hq, D] in ``q``'s dtype; rows with no visible key, of padding sequences or

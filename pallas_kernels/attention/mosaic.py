@@ -13,12 +13,12 @@ under the other's matmuls.
 The work is the Triton prefill kernel's (``triton.py``): the same visible band of keys,
 and each consumer's KV loop covers exactly the blocks some stored row sees, masked only on
 the window edge, diagonal and ``kv_len`` blocks. The wrapper builds a per-item plan
-(:func:`plan`; items of 2 × ``block_q`` rows per sequence, longest first): rows, slot,
+(``mosaic_common.plan``; items of 2 × ``block_q`` rows per sequence, longest first): rows, slot,
 ``kv_len``, first position and, per consumer, the KV blocks it computes with and without a
 mask and those it only releases (blocks the other consumer needs). The kernel follows it.
 One thread block per (item, query head), launched a group of adjacent heads at a time
 (every item of the group's heads before the next group's): heads sharing a KV head run
-side by side, and the K/V of the blocks in flight stays in L2 (:class:`BlockSizes`).
+side by side, and the K/V of the blocks in flight stays in L2 (``mosaic_config.BlockSizes``).
 
 Masking never lets cache contents past ``kv_len`` (NaN in tests) reach an output: their
 logits are replaced by ``-inf`` and, in the one block holding ``kv_len``, the consumers
@@ -39,14 +39,13 @@ Covers bf16/fp16 queries and caches of the same dtype, head dims 64 and 128, any
 group, and token counts and cache lengths (paged: page sizes, multiples of 64) that are
 multiples of 8. Other cases, and
 decode-shaped batches (bandwidth-bound: the Triton flash-decoding kernels), go to the
-Triton kernels (:func:`supports`).
+Triton kernels (``mosaic_config.supports``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Final, NamedTuple
+from typing import Final
 
 import jax
 import jax.numpy as jnp
@@ -54,338 +53,40 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import LOG2E, checked_slots
+from pallas_kernels._common import LOG2E
 from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
-    TMA_ROWS,
     store_rows,
     swizzled_tiles,
 )
-from pallas_kernels._validation import check_int_fields
 from pallas_kernels.attention._layout import (
     band_operand,
-    is_decode_shaped,
     jit_attention,
     scale_operand,
 )
+from pallas_kernels.attention.mosaic_common import (
+    CONSUMERS,
+    ConsumerWork,
+    Plan,
+    plan,
+    produce_kv_ring,
+)
+from pallas_kernels.attention.mosaic_config import (
+    BlockSizes,
+    check_block_sizes,
+    default_head_group,
+)
 from pallas_kernels.backend import device_num_sms
 
-# Consumer warpgroups per thread block, each with ``block_q`` query rows.
-_CONSUMERS: Final = 2
 # Running max before any key: finite, so a row whose keys are all masked (-inf logits)
 # keeps alpha = 2^(min - min) = 1 and p = 2^(-inf) = 0 instead of NaN.
 _MASK_MAX: Final = float(jnp.finfo(jnp.float32).min)
 _TINY: Final = float(jnp.finfo(jnp.float32).tiny)
-_SUPPORTED_HEAD_DIMS: Final = (64, 128)
-# Smallest KV tile (BlockSizes.block_k): paged caches need pages of a multiple of it.
-_MIN_BLOCK_K: Final = 64
-
-# Thread blocks of one head group, in waves of one block per SM (BlockSizes.head_group).
-_WAVES_PER_HEAD_GROUP: Final = 4
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiling of the Mosaic GPU prefill kernel."""
-
-    block_q: int = 64  # query rows per consumer warpgroup (the wgmma M dimension)
-    block_k: int = 128  # keys per KV step
-    num_stages: int = 2  # K/V slots in the TMA ring
-    # Query heads launched side by side: heads [g * head_group, (g + 1) * head_group)
-    # run every item, longest first, before group g + 1 starts. Few heads at a time keep
-    # the K/V that concurrently running blocks read within L2; more shorten the tail
-    # (the last group's longest items start late). None: default_head_group; else it
-    # must divide the number of query heads.
-    head_group: int | None = None
-
-    def __post_init__(self):
-        check_int_fields(self)
-        if self.block_q != 64:
-            raise ValueError(f"block_q={self.block_q} must be 64 (one wgmma row block)")
-        if self.block_k % 64 or self.block_k < 64:
-            raise ValueError(f"block_k={self.block_k} must be a multiple of 64")
-        if self.num_stages < 2:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 2")
-        if self.head_group is not None and self.head_group < 1:
-            raise ValueError(f"head_group={self.head_group} must be >= 1")
-
-
-def default_head_group(*, num_q_heads: int, group: int, num_items: int, num_sms: int) -> int:
-    """The fewest heads, a multiple of the GQA ``group`` that divides ``num_q_heads``, whose
-    blocks fill ``_WAVES_PER_HEAD_GROUP`` waves of the GPU (all heads if none does).
-    Measured on an H200 (heads side by side → ms): dense-causal 1/4/32 → 1.212/1.194/1.248,
-    ragged-tail (no GQA) 1/4/8/32 → 0.470/0.450/0.451/0.479, chunked-prefill 4/16/32 →
-    2.163/2.103/2.091."""
-    for heads in range(group, num_q_heads, group):
-        if num_q_heads % heads == 0 and heads * num_items >= _WAVES_PER_HEAD_GROUP * num_sms:
-            return heads
-    return num_q_heads
-
-
-def supports(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    *,
-    query_start_loc: jax.Array,
-    block_table: jax.Array | None = None,
-    **_,
-) -> str | None:
-    """Why the Mosaic GPU prefill kernel cannot take this call (None: it can). Static facts
-    only: shapes and dtypes."""
-    del v_cache  # the api checked it has k_cache's shape and dtype
-    if block_table is not None and k_cache.shape[1] % _MIN_BLOCK_K:
-        return (
-            f"block_size={k_cache.shape[1]} is not a multiple of {_MIN_BLOCK_K}: a KV tile "
-            "of the Mosaic kernel must lie in one page"
-        )
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"q is {q.dtype}; the wgmma kernel takes bf16 or fp16"
-    if k_cache.dtype != q.dtype:
-        return f"k_cache is {k_cache.dtype}, q is {q.dtype}; they must match"
-    if q.shape[2] not in _SUPPORTED_HEAD_DIMS:
-        return f"head dim {q.shape[2]} is not one of {_SUPPORTED_HEAD_DIMS}"
-    # TMA views the token and cache axes in tiles of 8 rows.
-    if q.shape[0] % TMA_ROWS or k_cache.shape[1] % TMA_ROWS:
-        return f"T={q.shape[0]} and L={k_cache.shape[1]} must be multiples of {TMA_ROWS}"
-    if is_decode_shaped(q.shape[0], query_start_loc.shape[0] - 1):
-        return "decode-shaped batch (T <= B): the split-KV Triton kernel serves it"
-    return None
-
-
-def check_block_sizes(
-    config: BlockSizes, *, num_q_heads: int, page_size: int | None = None
-) -> None:
-    """A ``head_group`` must divide the query heads; paged, ``block_k`` the page size."""
-    if config.head_group is not None and num_q_heads % config.head_group:
-        raise ValueError(
-            f"config.head_group={config.head_group} must divide num_q_heads={num_q_heads}"
-        )
-    if page_size is not None and page_size % config.block_k:
-        raise ValueError(
-            f"config.block_k={config.block_k} must divide the paged cache's block_size={page_size}"
-        )
-
-
-def default_block_sizes(*, page_size: int | None = None) -> BlockSizes:
-    """The default tiling; paged, KV tiles of at most the page (128 or 64 keys)."""
-    blocks = BlockSizes()
-    if page_size is not None and page_size % blocks.block_k:
-        blocks = dataclasses.replace(blocks, block_k=_MIN_BLOCK_K)
-    return blocks
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The kernel's work, one entry per item in launch order (built by :func:`plan`).
-
-    An item is ``_CONSUMERS * block_q`` query rows starting at ``row0``; consumer ``c``
-    reads rows ``row0 + c * block_q + [0, block_q)`` (positions ``pos0 + c * block_q + i``)
-    and stores rows ``[first, first + live)`` of them. The producer loads the KV blocks
-    ``[kv_lo, kv_hi)``; of those, a consumer computes ``[lo_blk, mid_lo)`` and
-    ``[mid_hi, hi_blk)`` with a mask and ``[mid_lo, mid_hi)`` without, and only releases
-    the others (blocks the other consumer needs). All fields are int32: ``[I]`` per item,
-    ``[I, C]`` per item and consumer (``C = _CONSUMERS``).
-    """
-
-    row0: jax.Array  # [I] first packed query row, a multiple of 8 (TMA tile rows)
-    slot: jax.Array  # [I] cache slot; -1: nothing to attend to (the rows are stored as 0)
-    kv_len: jax.Array  # [I] keys of the item's sequence (0 when slot = -1)
-    pos0: jax.Array  # [I] position of row row0 in the item's sequence
-    kv_lo: jax.Array  # [I] first KV block the producer loads
-    kv_hi: jax.Array  # [I] one past the last (kv_lo = kv_hi: none)
-    first: jax.Array  # [I, C] first stored row of the consumer's block_q rows
-    live: jax.Array  # [I, C] rows the consumer stores
-    lo_blk: jax.Array  # [I, C] first KV block the consumer computes
-    mid_lo: jax.Array  # [I, C] first of its unmasked blocks
-    mid_hi: jax.Array  # [I, C] one past the last unmasked block
-    hi_blk: jax.Array  # [I, C] one past the last computed block
-    # [I, max_blocks] paged: the block table row of the item's sequence; None: contiguous
-    table: jax.Array | None = None
-
-    @property
-    def num_items(self) -> int:
-        return self.row0.shape[0]
-
-
-def plan(
-    query_start_loc: jax.Array,
-    kv_lens: jax.Array,
-    slot_ids: jax.Array,
-    band: jax.Array,
-    *,
-    num_tokens: int,
-    num_slots: int,
-    cache_len: int,
-    block_q: int,
-    block_k: int,
-    block_table: jax.Array | None = None,
-) -> Plan:
-    """The kernel's :class:`Plan` (jittable, no host sync).
-
-    Paged (``block_table[B, max_blocks]``): ``num_slots`` is the pool's page count,
-    ``cache_len`` the longest context ``max_blocks * page_size``; any slot id >= 0 is live
-    and each item carries its sequence's table row.
-
-    Segments are the sequences' rows plus the bucket rows past the last one (zeroed).
-    A segment's items are ``_CONSUMERS * block_q``-row blocks starting at its first row
-    rounded down to a multiple of 8 (TMA reads query tiles at tile-aligned rows), so an
-    item's first rows may belong to the previous segment: they are computed and dropped.
-    A consumer's keys ``[lo, hi)`` are visible to some row it stores and
-    ``[full_lo, full_hi)`` to every one: its blocks ``[lo_blk, hi_blk)`` cover the former,
-    its unmasked blocks ``[mid_lo, mid_hi)`` lie inside the latter. The producer loads the
-    union of the consumers' blocks. Items are sorted by their number of KV blocks, longest
-    first (the GPU starts the longest thread blocks first and ends on short ones).
-    """
-    item_rows = _CONSUMERS * block_q
-    num_seqs = slot_ids.shape[0]
-    # Each segment's items cover its rows plus < 8 leading rows: one extra item at most.
-    num_items = pl.cdiv(num_tokens, item_rows) + 2 * (num_seqs + 1)
-    qsl = jnp.clip(query_start_loc, 0, num_tokens).astype(jnp.int32)
-    seg_start = qsl  # B sequences, then the bucket rows [qsl[-1], T)
-    seg_end = jnp.append(qsl[1:], num_tokens)
-    seg_aligned = seg_start - seg_start % TMA_ROWS
-    seg_items = jnp.where(seg_end > seg_start, pl.cdiv(seg_end - seg_aligned, item_rows), 0)
-    seg_items_end = jnp.cumsum(seg_items)
-    item = jnp.arange(num_items, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(seg_items_end, item, side="right"), num_seqs)
-    used = item < seg_items_end[-1]
-    row0 = seg_aligned[seg] + (item - (seg_items_end[seg] - seg_items[seg])) * item_rows
-    seq = jnp.minimum(seg, num_seqs - 1)
-    is_seq = used & (seg < num_seqs)
-    if block_table is None:
-        seq_slot = checked_slots(slot_ids, num_slots)
-    else:  # slot ids only mark padding
-        seq_slot = jnp.where(slot_ids >= 0, 0, -1)
-    slot = jnp.where(is_seq, seq_slot[seq], -1)
-    attend = slot >= 0
-    q_len = query_start_loc[1:] - query_start_loc[:-1]
-    pos0 = row0 + (kv_lens - q_len - query_start_loc[:-1])[seq]
-    kv_len = jnp.where(attend, jnp.clip(kv_lens, 0, cache_len)[seq], 0)
-    left, right = band[0], band[1]
-    # Per item and consumer ([I, C]): the consumer's rows, stored rows and KV blocks.
-    offset = jnp.arange(_CONSUMERS, dtype=jnp.int32) * block_q  # of its rows in the item
-    tile_row = row0[:, None] + offset
-    first = jnp.clip(seg_start[seg][:, None] - tile_row, 0, block_q)
-    live = jnp.where(
-        used[:, None], jnp.clip(seg_end[seg][:, None] - tile_row, 0, block_q) - first, 0
-    )
-    live = jnp.maximum(live, 0)
-    pos_first = pos0[:, None] + offset + first
-    pos_last = pos_first + live - 1
-    lo = jnp.maximum(pos_first - left + 1, 0)
-    hi = jnp.clip(pos_last + right + 1, 0, kv_len[:, None])
-    full_lo = jnp.maximum(pos_last - left + 1, 0)
-    full_hi = jnp.clip(pos_first + right + 1, 0, kv_len[:, None])
-    works = attend[:, None] & (live > 0) & (hi > lo)
-    lo_blk = lo // block_k
-    hi_blk = jnp.where(works, pl.cdiv(hi, block_k), lo_blk)
-    mid_lo = jnp.clip(pl.cdiv(full_lo, block_k), lo_blk, hi_blk)
-    mid_hi = jnp.clip(full_hi // block_k, mid_lo, hi_blk)
-    # The union of the working consumers' blocks; empty when none works.
-    kv_hi = jnp.max(jnp.where(works, hi_blk, 0), axis=1)
-    kv_lo = jnp.minimum(jnp.min(jnp.where(works, lo_blk, jnp.iinfo(jnp.int32).max), axis=1), kv_hi)
-
-    def own_or_release(blocks):  # an idle consumer's bounds collapse onto kv_hi
-        return jnp.where(works, blocks, kv_hi[:, None])
-
-    item_plan = Plan(
-        row0=row0,
-        slot=slot,
-        kv_len=kv_len,
-        pos0=pos0,
-        kv_lo=kv_lo,
-        kv_hi=kv_hi,
-        first=first,
-        live=live,
-        lo_blk=own_or_release(lo_blk),
-        mid_lo=own_or_release(mid_lo),
-        mid_hi=own_or_release(mid_hi),
-        hi_blk=own_or_release(hi_blk),
-        table=None if block_table is None else block_table[seq],
-    )
-    # Longest first; items that store nothing last.
-    order = jnp.argsort(-jnp.where(used, kv_hi - kv_lo, -1), stable=True)
-    return jax.tree.map(lambda field: field.astype(jnp.int32)[order], item_plan)
-
-
-def kv_block_address(plan: Plan, item, j, *, block_k: int, pool_shape) -> tuple:
-    """(cache line, first row) of the item's KV block ``j`` in the caches (``pool_shape``
-    their shape). Paged: block j's page (clamped into the pool: a bad table entry is a
-    caller bug, the copy stays in bounds) and its rows there; ``block_k`` divides the
-    page."""
-    if plan.table is None:
-        return jnp.maximum(plan.slot[item], 0), j * block_k
-    page_size = pool_shape[1]
-    key0 = j * block_k
-    page = plan.table[item, lax.div(key0, page_size)]
-    return jnp.clip(page, 0, pool_shape[0] - 1), lax.rem(key0, page_size)
-
-
-def produce_kv_ring(plan: Plan, item, refs, rings, full, free, *, kv_head, block_k: int):
-    """The producer warpgroup's loop: KV blocks ``[kv_lo, kv_hi)`` of the item, K and V
-    (``refs``) of ``kv_head``, TMA-copied into slot ``(j - kv_lo) % num_stages`` of their
-    shared-memory ``rings[num_stages, block_k, D]``; ``full`` barriers fire when a copy
-    lands, a slot is refilled once its ``free`` barriers (both consumers) fired."""
-    kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
-    num_stages = rings[0].shape[0]
-
-    def load(block, slot):
-        line, row = block
-        for ref, ring, landed in zip(refs, rings, full, strict=True):
-            src = ref.at[line, pl.ds(row, block_k), kv_head]
-            plgpu.copy_gmem_to_smem(src, ring.at[slot], landed.at[slot])
-
-    def address(j):
-        return kv_block_address(plan, item, j, block_k=block_k, pool_shape=refs[0].shape)
-
-    for i in range(num_stages):  # the ring's first fill
-        pl.when(kv_lo + i < kv_hi)(lambda i=i: load(address(kv_lo + i), i))
-
-    @pl.loop(kv_lo + num_stages, kv_hi)
-    def _steady(j):
-        slot = lax.rem(j - kv_lo, num_stages)
-        # The page lookup (paged) is issued before the wait: its latency hides under the
-        # consumers' work on the slot.
-        block = address(j)
-        for released in free:
-            plgpu.barrier_wait(released.at[slot])
-        load(block, slot)
-
-
-class ConsumerWork(NamedTuple):
-    """A consumer's share of a plan item (:class:`Plan`): its rows and KV blocks."""
-
-    row0: jax.Array  # first of its block_q rows
-    pos0: jax.Array  # the position of row0 in the item's sequence
-    first: jax.Array  # first stored row of the block_q
-    live: jax.Array  # rows stored
-    lo_blk: jax.Array  # KV blocks [lo_blk, mid_lo) and [mid_hi, hi_blk) masked,
-    mid_lo: jax.Array  # [mid_lo, mid_hi) not; the rest of [kv_lo, kv_hi) only released
-    mid_hi: jax.Array
-    hi_blk: jax.Array
-
-    @classmethod
-    def of(cls, plan: Plan, item, c, block_q: int) -> ConsumerWork:
-        def own(field):  # consumer c's entry of an [I, C] field
-            return jnp.where(c == 0, field[item, 0], field[item, 1])
-
-        return cls(
-            row0=plan.row0[item] + c * block_q,
-            pos0=plan.pos0[item] + c * block_q,
-            first=own(plan.first),
-            live=own(plan.live),
-            lo_blk=own(plan.lo_blk),
-            mid_lo=own(plan.mid_lo),
-            mid_hi=own(plan.mid_hi),
-            hi_blk=own(plan.hi_blk),
-        )
 
 
 def _kernel(
-    plan: Plan,  # a Plan of int32 refs, [num_items] or [num_items, _CONSUMERS] each
+    plan: Plan,  # a Plan of int32 refs, [num_items] or [num_items, CONSUMERS] each
     scale_ref,  # [1] fp32: sm_scale * log2(e)
     band_ref,  # [2] int32: (left, right)
     q_ref,  # [T, Hq, D]
@@ -417,7 +118,7 @@ def _kernel(
 
         kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             produce_kv_ring(
@@ -431,7 +132,7 @@ def _kernel(
                 block_k=block_k,
             )
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
@@ -547,23 +248,23 @@ def _kernel(
                 lse_smem.at[c][...] = m + jnp.log(jnp.maximum(l, _TINY)) * LOG2E
             plgpu.commit_smem()
             if lse_ref is not None:
-                column = (item * _CONSUMERS + c) * block_q
+                column = (item * CONSUMERS + c) * block_q
                 plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[head, pl.ds(column, block_q)])
             store_rows(o_tile, o_ref, row0=row0, first=first, live=live, head=head)
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((_CONSUMERS, block_q, head_dim), dtype, transforms=tiles),
-        plgpu.SMEM((_CONSUMERS, block_q, head_dim), dtype),
-        None if lse_ref is None else plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
+        plgpu.SMEM((CONSUMERS, block_q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((CONSUMERS, block_q, head_dim), dtype),
+        None if lse_ref is None else plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
         plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((num_stages, block_k, head_dim), dtype, transforms=tiles),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=_CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
         collective_axes="wg",
     )
 
@@ -584,7 +285,7 @@ def prefill_attention(
     with_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Mosaic GPU prefill kernel, ``out[T, Hq, D]``; the call must be
-    :func:`supports`-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced.
+    ``mosaic_config.supports``-ed. ``causal``, ``sm_scale`` and ``sliding_window`` may be traced.
     With ``block_table`` the caches are page pools (``block_k`` must divide the page).
     ``with_lse``: also ``lse[T, Hq]`` fp32, each row's log2-sum-exp2 of its scaled logits
     (the Triton prefill kernel's ``lse``, what the backward kernels recompute the
@@ -634,7 +335,7 @@ def prefill_attention(
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct(
-                    (num_q_heads, item_plan.num_items * _CONSUMERS * b.block_q), jnp.float32
+                    (num_q_heads, item_plan.num_items * CONSUMERS * b.block_q), jnp.float32
                 ),
             )
             if with_lse
@@ -644,8 +345,13 @@ def prefill_attention(
         # head are adjacent) side by side, then items longest first, then groups.
         grid=(num_q_heads // head_group, item_plan.num_items, head_group),
         grid_names=("head_group", "item", "head"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
+        kernel_name=(
+            f"attention_prefill_mosaic_bq{b.block_q}_bk{b.block_k}_s{b.num_stages}"
+            f"_hg{head_group}_g{group}_d{head_dim}_lse{int(with_lse)}"
+            f"{'' if block_table is None else f'_paged{k_cache.shape[1]}'}"
+        ),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
@@ -662,7 +368,7 @@ def _stored_rows_lse(tile_lse: jax.Array, item_plan: Plan, *, num_tokens: int, b
     packed row's entry from the one consumer that stores it (every row has one); rows of
     items with nothing to attend to (padding sequences, bucket rows) get 0."""
     rows = jnp.arange(block_q, dtype=jnp.int32)
-    tile_row0 = item_plan.row0[:, None] + jnp.arange(_CONSUMERS, dtype=jnp.int32) * block_q
+    tile_row0 = item_plan.row0[:, None] + jnp.arange(CONSUMERS, dtype=jnp.int32) * block_q
     token = tile_row0[:, :, None] + rows  # [I, C, block_q]
     first, live = item_plan.first[:, :, None], item_plan.live[:, :, None]
     stored = (rows >= first) & (rows < first + live)
@@ -693,10 +399,10 @@ def masked_tail_attention(
     sliding_window: int | None,
     config: BlockSizes,
 ) -> jax.Array:
-    """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated and
-    :func:`supports` takes the call (prefill batches: bf16/fp16, head dim 64 or 128, T and L
-    multiples of 8). ``causal``, ``sm_scale`` and ``sliding_window`` reach the compiled
-    program as data (:func:`~pallas_kernels.attention._layout.jit_attention`)."""
+    """See :func:`pallas_kernels.masked_tail_attention`; arguments are already validated
+    and ``mosaic_config.supports`` takes the call (prefill batches: bf16/fp16, head dim 64
+    or 128, T and L multiples of 8). ``causal``, ``sm_scale`` and ``sliding_window`` reach
+    the compiled program as data (:func:`~pallas_kernels.attention._layout.jit_attention`)."""
     return jit_attention(
         prefill_attention,
         q,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.conv1d import reference, triton
+from pallas_kernels.conv1d import reference, triton, triton_config
 
 Activation = Literal["silu"] | None
 
@@ -19,11 +19,11 @@ CAUSAL_CONV1D = Op(
         Backend(
             "triton",
             triton.causal_conv1d,
-            config_type=triton.BlockSizes,
-            default_config=lambda x, weight, *_, **__: triton.default_block_sizes(
+            config_type=triton_config.BlockSizes,
+            default_config=lambda x, weight, *_, **__: triton_config.default_block_sizes(
                 x.shape[1], weight.shape[1]
             ),
-            check_config=lambda config, x, weight, *_, **__: triton.check_block_sizes(
+            check_config=lambda config, x, weight, *_, **__: triton_config.check_block_sizes(
                 config, weight.shape[1]
             ),
         ),
@@ -36,8 +36,10 @@ CAUSAL_CONV1D_UPDATE = Op(
         Backend(
             "triton",
             triton.causal_conv1d_update,
-            config_type=triton.BlockSizes,
-            default_config=lambda x, *_, **__: triton.default_update_block_sizes(x.shape[-1]),
+            config_type=triton_config.BlockSizes,
+            default_config=lambda x, *_, **__: triton_config.default_update_block_sizes(
+                x.shape[-1]
+            ),
         ),
         Backend("xla", reference.causal_conv1d_update),
     ),
@@ -78,7 +80,7 @@ def causal_conv1d(
     activation: Activation = "silu",
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv1d over a packed variable-length batch, with per-slot state.
 
@@ -99,7 +101,7 @@ def causal_conv1d(
       validate: check ``query_start_loc`` and ``slot_ids`` on the host.
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``conv1d.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``conv1d.triton_config.BlockSizes``).
 
     Returns:
       ``(y[T, dim], new_conv_state_cache[S, K-1, dim])``, ``y`` in ``x``'s dtype.
@@ -144,7 +146,7 @@ def causal_conv1d_update(
     activation: Activation = "silu",
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode conv step: each row advances its slot's conv state by ``L`` tokens.
 
@@ -160,7 +162,7 @@ def causal_conv1d_update(
       validate: check ``slot_ids`` on the host.
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``conv1d.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``conv1d.triton_config.BlockSizes``).
 
     Returns:
       ``(y, new_conv_state_cache)``, ``y`` with ``x``'s shape and dtype.

@@ -17,12 +17,12 @@ import numpy as np
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.grouped_matmul import mosaic, reference, triton
+from pallas_kernels.grouped_matmul import mosaic, reference, triton, triton_config
 
 
-def _triton_default_config(x, w, group_sizes, **_) -> triton.BlockSizes:
+def _triton_default_config(x, w, group_sizes, **_) -> triton_config.BlockSizes:
     (M, K), (E, _, N) = x.shape, w.shape
-    return triton.default_block_sizes(M, K, N, E, x.dtype)
+    return triton_config.default_block_sizes(M, K, N, E, x.dtype)
 
 
 def _mosaic_default_config(x, w, group_sizes, **_) -> mosaic.BlockSizes:
@@ -69,7 +69,7 @@ GROUPED_MATMUL = Op(
         Backend(
             "triton",
             triton.grouped_matmul,
-            config_type=triton.BlockSizes,
+            config_type=triton_config.BlockSizes,
             default_config=_triton_default_config,
         ),
         Backend("xla", reference.grouped_matmul),
@@ -105,7 +105,7 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     implementation: Implementation = "auto",
-    config: mosaic.BlockSizes | triton.BlockSizes | None = None,
+    config: mosaic.BlockSizes | triton_config.BlockSizes | None = None,
 ) -> jax.Array:
     """Grouped matmul of expert-sorted rows: ``y[r] = x[r] @ w[e]`` for the rows ``r`` of
     expert ``e`` (``jax.lax.ragged_dot`` semantics), accumulated in fp32.
@@ -122,7 +122,7 @@ def grouped_matmul(
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
       config: the chosen backend's block sizes (``grouped_matmul.mosaic.BlockSizes`` or
-        ``grouped_matmul.triton.BlockSizes``).
+        ``grouped_matmul.triton_config.BlockSizes``).
 
     Returns:
       y[M, N] in ``x``'s dtype.

@@ -25,14 +25,14 @@ Worked example, ``block_m = 4``, ``group_sizes = [6, 0, 3]``, ``M = 12``::
     row_end       4         6     9       12
     tiles 4, 5: padding up to the static bound (12 + 4 * 3) // 4 = 6 (row_end = row_start)
 
-The backward pass (``jax.custom_vjp``) runs the same tile kernel for
-``dx = grouped_matmul(dy, w[e]ᵀ)`` and a per-expert kernel for ``dw[e] = x_eᵀ dy_e``
-(one program per ``[block_k, block_n]`` tile of ``dw[e]``, looping over the expert's rows).
+The backward pass (``jax.custom_vjp``, wired here) runs the same tile kernel for
+``dx = grouped_matmul(dy, w[e]ᵀ)`` and the per-expert kernel of ``grouped_matmul/triton_vjp.py``
+for ``dw[e] = x_eᵀ dy_e``. Block sizes and their heuristic are in
+``grouped_matmul/triton_config.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -41,103 +41,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import search_sorted
-from pallas_kernels._pallas import MIN_DOT_DIM, block_dim, compiler_params, dot, masked_load
-from pallas_kernels._validation import check_int_fields
+from pallas_kernels._pallas import (
+    compiler_params,
+    dot,
+    masked_load,
+    outer_mask,
+    tail_mask,
+)
 from pallas_kernels.backend import pallas_dtypes
-
-# Rows per expert from which a call is compute-bound (prefill): 128-row tiles keep the
-# tensor cores fed; below it a call streams weights and smaller row tiles waste less.
-_COMPUTE_BOUND_ROWS = 128
-# Row tiles of a weight-streaming call (see default_block_sizes).
-_WIDE_TILE_ROWS = 64
-
-
-def _is_power_of_2(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiling of the grouped matmul kernels."""
-
-    block_m: int = 128  # rows of x per program (a row tile never spans two experts)
-    block_n: int = 128  # output columns per program
-    block_k: int = 64  # contraction step of the K loop
-    num_warps: int = 4  # warps per program
-    num_stages: int = 3  # software-pipelining depth of the K loop
-    narrow_m: int | None = None  # rows of the dot of tiles with at most this many rows
-
-    def __post_init__(self):
-        check_int_fields(self)
-        for name in ("block_m", "block_n", "block_k", "narrow_m"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not _is_power_of_2(value) or value < MIN_DOT_DIM:
-                raise ValueError(
-                    f"{name}={value} must be a power of two >= {MIN_DOT_DIM} "
-                    "(Triton's tensor-core dot)"
-                )
-        if self.narrow_m is not None and self.narrow_m >= self.block_m:
-            raise ValueError(f"narrow_m={self.narrow_m} must be below block_m={self.block_m}")
-        if not _is_power_of_2(self.num_warps):
-            raise ValueError(f"num_warps={self.num_warps} must be a power of two")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-
-
-def _block_k(k: int, dtype: jnp.dtype, preferred: int) -> int:
-    """The largest power of two <= ``preferred`` (and >= 16) that divides K, so the K loop
-    needs no masks; ``preferred`` when none does (the last step is masked)."""
-    for block in (preferred, preferred // 2, preferred // 4):
-        if block >= MIN_DOT_DIM and k % block == 0:
-            return min(block, block_dim(k, MIN_DOT_DIM))
-    return min(preferred, block_dim(k, MIN_DOT_DIM))
-
-
-def _block_n(n: int, candidates: tuple[int, ...]) -> int:
-    """The candidate (widest first) whose last column block wastes the fewest columns."""
-    waste = {b: pl.cdiv(n, b) * b - n for b in candidates}
-    best = min(waste.values())
-    return min(max(b for b in candidates if waste[b] == best), block_dim(n, MIN_DOT_DIM))
-
-
-def default_block_sizes(m: int, k: int, n: int, num_experts: int, dtype) -> BlockSizes:
-    """Heuristic, from the mean rows per expert ``m / E``:
-
-    * compute-bound (>= 128 rows per expert, e.g. 8192-token prefill): 128-row tiles and
-      128×256 or 128×128 output tiles with 64-deep K steps, 3-4 stages: the tile shapes of
-      Triton's Hopper matmul tutorial (wgmma on 8 or 4 warps; 48 KiB or 32 KiB of shared
-      memory per stage in bf16);
-    * weight-streaming (fewer rows, e.g. decode): 64-row tiles, so an expert that draws
-      many rows streams its weights once per 64 rows from few programs, with a narrow path
-      for the tiles of the experts that draw a few: the smallest power of two >= the mean
-      rows per expert (at least 16 for the dot). A call of at most that many rows, or
-      whose mean reaches 64, has one tile size. K in 128-deep steps (wide loads), 4 stages.
-
-    fp32 inputs use half-depth K steps (twice the bytes per element).
-    """
-    itemsize = jnp.dtype(dtype).itemsize
-    rows = pl.cdiv(m, max(num_experts, 1))
-    if rows >= _COMPUTE_BOUND_ROWS:
-        block_n = _block_n(n, (256, 128) if itemsize <= 2 else (128,))
-        return BlockSizes(
-            block_m=128,
-            block_n=block_n,
-            block_k=_block_k(k, dtype, 64 if itemsize <= 2 else 32),
-            num_warps=8 if block_n == 256 else 4,
-            num_stages=3 if block_n == 256 else 4,
-        )
-    narrow = max(MIN_DOT_DIM, block_dim(rows))
-    wide = _WIDE_TILE_ROWS if m > narrow and narrow < _WIDE_TILE_ROWS else None
-    return BlockSizes(
-        block_m=wide or narrow,
-        narrow_m=narrow if wide else None,
-        block_n=_block_n(n, (128, 64)),
-        block_k=_block_k(k, dtype, 128 if itemsize <= 2 else 64),
-        num_warps=4,
-        num_stages=4,
-    )
+from pallas_kernels.grouped_matmul import triton_vjp
+from pallas_kernels.grouped_matmul.triton_config import BlockSizes
 
 
 def num_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -174,23 +87,6 @@ def tile_schedule(
     return group, row_start, row_end
 
 
-def _both(a: jax.Array | None, b: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
-    """The ``shape`` mask ``a[:, None] & b[None, :]``; either may be None (no mask on that
-    axis), both None gives None (an unmasked load)."""
-    if a is None and b is None:
-        return None
-    a = jnp.ones((shape[0],), jnp.bool_) if a is None else a
-    b = jnp.ones((shape[1],), jnp.bool_) if b is None else b
-    return a[:, None] & b[None, :]
-
-
-def _tail_mask(start, block: int, size: int) -> jax.Array | None:
-    """``start + arange(block) < size``, or None when every block is full."""
-    if size % block == 0:
-        return None
-    return start + jnp.arange(block) < size
-
-
 def _tile_kernel(
     expert_ref,  # [num_tiles] int32
     start_ref,  # [num_tiles] int32
@@ -214,7 +110,7 @@ def _tile_kernel(
     expert, row0, row_end = expert_ref[tile], start_ref[tile], end_ref[tile]
     num_experts = w_ref.shape[0]
     contract, out_cols = x_ref.shape[1], y_ref.shape[1]
-    col_live = _tail_mask(col0, block_n, out_cols)
+    col_live = tail_mask(col0, block_n, out_cols)
     cols = pl.ds(col0, block_n)
     live_rows = row_end - row0
 
@@ -226,19 +122,21 @@ def _tile_kernel(
         def step(k, acc):
             k0 = pl.multiple_of(k * block_k, block_k)
             ks = pl.ds(k0, block_k)
-            k_live = _tail_mask(k0, block_k, contract)
-            a = masked_load(x_ref.at[rows, ks], _both(row_live, k_live, (num, block_k)))
+            k_live = tail_mask(k0, block_k, contract)
+            a = masked_load(x_ref.at[rows, ks], outer_mask(row_live, k_live, (num, block_k)))
             if transpose_w:
                 b = masked_load(
-                    w_ref.at[expert, cols, ks], _both(col_live, k_live, (block_n, block_k))
+                    w_ref.at[expert, cols, ks], outer_mask(col_live, k_live, (block_n, block_k))
                 )
                 return acc + dot(a, b, trans_b=True)
-            b = masked_load(w_ref.at[expert, ks, cols], _both(k_live, col_live, (block_k, block_n)))
+            b = masked_load(
+                w_ref.at[expert, ks, cols], outer_mask(k_live, col_live, (block_k, block_n))
+            )
             return acc + dot(a, b)
 
         acc = jnp.zeros((num, block_n), jnp.float32)
         acc = jax.lax.fori_loop(0, pl.cdiv(contract, block_k), step, acc)
-        out_mask = _both(row_live, col_live, (num, block_n))
+        out_mask = outer_mask(row_live, col_live, (num, block_n))
         plgpu.store(y_ref.at[rows, cols], acc.astype(y_ref.dtype), mask=out_mask)
 
     compute = (live_rows > 0) & (expert < num_experts)
@@ -253,7 +151,7 @@ def _tile_kernel(
         # Rows past sum(group_sizes): zeros, nothing read.
         row_live = jnp.arange(block_m) < live_rows
         zeros = jnp.zeros((block_m, block_n), y_ref.dtype)
-        out_mask = _both(row_live, col_live, (block_m, block_n))
+        out_mask = outer_mask(row_live, col_live, (block_m, block_n))
         plgpu.store(y_ref.at[pl.ds(row0, block_m), cols], zeros, mask=out_mask)
 
 
@@ -295,74 +193,6 @@ def _tiled_matmul(
     )(*schedule, x, w)
 
 
-def _weight_grad_kernel(
-    offset_ref,  # [E + 1] int32: expert e owns rows [offset[e], offset[e + 1])
-    x_ref,  # [M, K]
-    dy_ref,  # [M, N]
-    dw_ref,  # [E, K, N]
-    *,
-    block_m: int,
-    block_k: int,
-    block_n: int,
-    num_k_blocks: int,
-    num_n_blocks: int,
-):
-    pid = pl.program_id(0)
-    blocks_per_expert = num_k_blocks * num_n_blocks
-    e = jax.lax.div(pid, blocks_per_expert)
-    r = jax.lax.rem(pid, blocks_per_expert)
-    k0 = pl.multiple_of(jax.lax.div(r, num_n_blocks) * block_k, block_k)
-    n0 = pl.multiple_of(jax.lax.rem(r, num_n_blocks) * block_n, block_n)
-    K, N = dw_ref.shape[1:]
-    k_live, n_live = _tail_mask(k0, block_k, K), _tail_mask(n0, block_n, N)
-    ks, ns = pl.ds(k0, block_k), pl.ds(n0, block_n)
-    start, end = offset_ref[e], offset_ref[e + 1]
-
-    def step(i, acc):
-        r0 = start + i * block_m
-        live = jnp.arange(block_m) < end - r0
-        rows = pl.ds(r0, block_m)
-        a = masked_load(x_ref.at[rows, ks], _both(live, k_live, (block_m, block_k)))
-        b = masked_load(dy_ref.at[rows, ns], _both(live, n_live, (block_m, block_n)))
-        return acc + dot(a, b, trans_a=True)
-
-    # lax.div: the row count is >= 0, and jnp's floor division does not lower through Triton.
-    num_steps = jax.lax.div(end - start + block_m - 1, block_m)
-    acc = jax.lax.fori_loop(0, num_steps, step, jnp.zeros((block_k, block_n), jnp.float32))
-    plgpu.store(
-        dw_ref.at[e, ks, ns],
-        acc.astype(dw_ref.dtype),
-        mask=_both(k_live, n_live, (block_k, block_n)),
-    )
-
-
-def _weight_grad(
-    x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: BlockSizes, interpret: bool
-) -> jax.Array:
-    """``dw[e] = x_eᵀ dy_e`` over each expert's rows (0 for an expert without rows)."""
-    (_, K), N, E = x.shape, dy.shape[1], group_sizes.shape[0]
-    blocks = config
-    offsets = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)]
-    )
-    num_k_blocks, num_n_blocks = pl.cdiv(K, blocks.block_k), pl.cdiv(N, blocks.block_n)
-    return pl.pallas_call(
-        functools.partial(
-            _weight_grad_kernel,
-            block_m=blocks.block_m,
-            block_k=blocks.block_k,
-            block_n=blocks.block_n,
-            num_k_blocks=num_k_blocks,
-            num_n_blocks=num_n_blocks,
-        ),
-        grid=(E * num_k_blocks * num_n_blocks,),
-        out_shape=jax.ShapeDtypeStruct((E, K, N), x.dtype),
-        compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-        interpret=interpret,
-        name=f"grouped_matmul_dw_bm{blocks.block_m}_bk{blocks.block_k}_bn{blocks.block_n}",
-    )(offsets, x, dy)
-
-
 def backward(
     x: jax.Array,
     w: jax.Array,
@@ -374,11 +204,12 @@ def backward(
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas backward kernels of ``y = grouped_matmul(x, w, group_sizes)``: ``dy[M, N]``
     -> ``(dx[M, K], dw[E, K, N])``. ``dx`` is the forward tile kernel on ``w[e]ᵀ``, ``dw[e]``
-    the per-expert ``x_eᵀ dy_e``; rows past ``sum(group_sizes)`` contribute nothing."""
+    the per-expert ``x_eᵀ dy_e`` (``triton_vjp.weight_grad``); rows past
+    ``sum(group_sizes)`` contribute nothing."""
     dy = dy.astype(x.dtype)
     with pallas_dtypes():
         dx = _tiled_matmul(dy, w, group_sizes, transpose_w=True, config=config, interpret=interpret)
-        dw = _weight_grad(x, dy, group_sizes, config=config, interpret=interpret)
+        dw = triton_vjp.weight_grad(x, dy, group_sizes, config=config, interpret=interpret)
     return dx, dw
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
+from pallas_kernels._mamba_mixer import check_packed_mixer
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.conv1d.api import check_weights_and_cache
-from pallas_kernels.mamba_decode import reference, triton
+from pallas_kernels.mamba_decode import reference, triton, triton_config
 
 MAMBA2_DECODE = Op(
     "mamba2_decode",
@@ -19,9 +18,9 @@ MAMBA2_DECODE = Op(
         Backend(
             "triton",
             triton.mamba2_decode,
-            config_type=triton.BlockSizes,
+            config_type=triton_config.BlockSizes,
             default_config=lambda zxbcdt, _, conv_weight, __, ssm_state, *___, **options: (
-                triton.default_block_sizes(
+                triton_config.default_block_sizes(
                     rows=zxbcdt.shape[0],
                     conv_dim=conv_weight.shape[0],
                     state_shape=ssm_state.shape[1:],
@@ -33,87 +32,6 @@ MAMBA2_DECODE = Op(
         Backend("xla", reference.mamba2_decode),
     ),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedMixer:
-    """Static facts of a Mamba2 mixer call on in_proj's packed rows, checked."""
-
-    num_slots: int  # S, the caches' slots
-    d_inner: int  # H P
-    num_groups: int  # G
-    dt_limit: tuple[float, float]
-    norm_group_size: int
-
-
-def check_packed_mixer(
-    zxbcdt: jax.Array,
-    conv_state_cache: jax.Array,
-    conv_weight: jax.Array,
-    conv_bias: jax.Array | None,
-    ssm_state_cache: jax.Array,
-    A_log: jax.Array,
-    *,
-    D: jax.Array | None,
-    dt_bias: jax.Array | None,
-    dt_limit: tuple[float, float],
-    norm_weight: jax.Array | None,
-    norm_group_size: int | None,
-    norm_eps: float,
-    rows: str,
-) -> PackedMixer:
-    """The checks :func:`mamba2_decode` and ``mamba2_prefill`` share: the caches, the conv
-    weight (which gives G), ``zxbcdt[rows, 2 H P + 2 G N + H]``, the SSM's parameters
-    (``A_log[H]`` among them) and the norm's (``rows``: the row axis' letter in messages).
-    Raises ``ValueError`` naming the argument."""
-    checks.check_floating("ssm_state_cache", ssm_state_cache)
-    if ssm_state_cache.ndim != 4:
-        raise ValueError(
-            f"ssm_state_cache must have shape [S, H, P, N], got {ssm_state_cache.shape}"
-        )
-    S, H, P, N = ssm_state_cache.shape
-    d_inner = H * P
-    if conv_weight.ndim != 2:
-        raise ValueError(f"conv_weight must have shape [conv_dim, K], got {conv_weight.shape}")
-    conv_dim = conv_weight.shape[0]
-    gn2 = conv_dim - d_inner
-    if gn2 <= 0 or gn2 % (2 * N) or H % (gn2 // (2 * N)):
-        raise ValueError(
-            f"conv_weight must have shape [conv_dim, K] with conv_dim = H P + 2 G N "
-            f"(H={H}, P={P}, N={N}, G dividing H), got {conv_weight.shape}"
-        )
-    G = gn2 // (2 * N)
-    if check_weights_and_cache(conv_weight, conv_bias, conv_state_cache, conv_dim) != S:
-        raise ValueError(
-            f"conv_state_cache and ssm_state_cache must have the same slots S, got "
-            f"{conv_state_cache.shape[0]} and {S}"
-        )
-    checks.check_floating("zxbcdt", zxbcdt)
-    width = d_inner + conv_dim + H
-    if zxbcdt.ndim != 2 or zxbcdt.shape[1] != width:
-        raise ValueError(
-            f"zxbcdt must have shape [{rows}, 2 H P + 2 G N + H] = ({rows}, {width}), "
-            f"got {zxbcdt.shape}"
-        )
-    num_rows = zxbcdt.shape[0]
-
-    def split(*shape: int) -> jax.ShapeDtypeStruct:
-        """A piece of the split row, for the SSM's own checks (A_log, D, dt_bias, dt_limit)."""
-        return jax.ShapeDtypeStruct(shape, zxbcdt.dtype)
-
-    dt_limit = checks.check_ssm_inputs(
-        split(num_rows, H, P), split(num_rows, H), A_log, split(num_rows, G, N),
-        split(num_rows, G, N), D=D, z=None, dt_bias=dt_bias, dt_limit=dt_limit, rows=rows,
-        A_name="A_log",
-    )  # fmt: skip
-    if norm_group_size is None:
-        norm_group_size = d_inner // G
-    if norm_weight is not None:
-        checks.check_shape("norm_weight", norm_weight, (d_inner,), "[d_inner]")
-        if norm_group_size < 1 or d_inner % norm_group_size:
-            raise ValueError(f"{norm_group_size=} must be >= 1 and divide d_inner={d_inner}")
-        checks.check_float("norm_eps", norm_eps, low=0.0)
-    return PackedMixer(S, d_inner, G, dt_limit, int(norm_group_size))
 
 
 def mamba2_decode(
@@ -136,7 +54,7 @@ def mamba2_decode(
     gate: bool = True,
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode token per row through a Mamba2 mixer, from in_proj's output to the input
     of out_proj: :func:`causal_conv1d_update` (SiLU) on the xBC columns,
@@ -173,7 +91,7 @@ def mamba2_decode(
       validate: check ``slot_ids`` on the host.
       implementation: "auto" | "xla" | "triton", or a sequence of backend names to take the
         first that serves the call (see ``pallas_kernels.backend``).
-      config: the triton backend's block sizes (``mamba_decode.triton.BlockSizes``: the
+      config: the triton backend's block sizes (``mamba_decode.triton_config.BlockSizes``: the
         conv update's, the state update's and the norm's); None for their heuristics.
 
     Returns:

@@ -13,12 +13,12 @@ kernels: the step recomposed from the public Triton ops on the sliced columns
 (:func:`_unfused`, each op a ``custom_vjp`` of its own) and pulled back through them. It
 recomputes the forward once, and its kernels update copies of both caches (the step's
 input caches are residuals): about three SSM caches' worth of memory at the peak. Decode
-steps are rarely differentiated, and the fused forward stays as it is.
+steps are rarely differentiated, and the fused forward stays as it is. Block sizes and their
+heuristic are in ``mamba_decode/triton_config.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,51 +26,9 @@ import jax
 from pallas_kernels.backend import pallas_dtypes
 from pallas_kernels.conv1d import triton as conv
 from pallas_kernels.mamba_decode import reference
+from pallas_kernels.mamba_decode.triton_config import BlockSizes
 from pallas_kernels.norm import triton as norm
 from pallas_kernels.state_update import triton as state_update
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiling of the decode step: each of its three kernels' own block sizes (their
-    fields are checked by those types)."""
-
-    conv: conv.BlockSizes = dataclasses.field(default_factory=conv.BlockSizes)
-    state_update: state_update.BlockSizes = dataclasses.field(
-        default_factory=state_update.BlockSizes
-    )
-    norm: norm.BlockSizes = dataclasses.field(default_factory=norm.BlockSizes)
-
-    def __post_init__(self):
-        for name, kind in (
-            ("conv", conv.BlockSizes),
-            ("state_update", state_update.BlockSizes),
-            ("norm", norm.BlockSizes),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, kind):
-                raise ValueError(
-                    f"{name}={value!r} must be a {kind.__module__}.{kind.__qualname__}"
-                )
-
-
-def default_block_sizes(
-    *,
-    rows: int,
-    conv_dim: int,
-    state_shape: tuple[int, int, int],
-    norm_group_size: int,
-    gated: bool,
-) -> BlockSizes:
-    """Each kernel's own heuristic for its part of the step: ``rows`` decode rows, the
-    conv's ``conv_dim`` channels, the state's ``(H, P, N)``; ``gated``: the state update
-    applies the z gate itself (no norm), which has a tiling of its own."""
-    H, P, N = state_shape
-    return BlockSizes(
-        conv=conv.default_update_block_sizes(conv_dim),
-        state_update=state_update.default_block_sizes(P, N, rows=rows, num_heads=H, gated=gated),
-        norm=norm.default_block_sizes(norm_group_size),
-    )
 
 
 def _unfused(

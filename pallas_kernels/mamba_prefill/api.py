@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
+from pallas_kernels._mamba_mixer import check_packed_mixer
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.mamba_decode.api import check_packed_mixer
-from pallas_kernels.mamba_prefill import reference, triton
+from pallas_kernels.mamba_prefill import reference, triton, triton_config
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd.api import check_metadata, validate_metadata
 
@@ -20,14 +20,14 @@ MAMBA2_PREFILL = Op(
         Backend(
             "triton",
             triton.mamba2_prefill,
-            config_type=triton.BlockSizes,
+            config_type=triton_config.BlockSizes,
             default_config=lambda _, __, conv_weight, ___, ssm_state, *____, **options: (
-                triton.default_block_sizes(
+                triton_config.default_block_sizes(
                     conv_weight, ssm_state.shape[1] * ssm_state.shape[2], options["norm_group_size"]
                 )
             ),
             check_config=lambda config, _, __, conv_weight, ___, ssm_state, *____, **_____: (
-                triton.check_block_sizes(
+                triton_config.check_block_sizes(
                     config,
                     width=conv_weight.shape[1],
                     d_inner=ssm_state.shape[1] * ssm_state.shape[2],
@@ -63,7 +63,7 @@ def mamba2_prefill(
     gate: bool = True,
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Packed prefill sequences through a Mamba2 mixer, from in_proj's output to the input
     of out_proj: :func:`causal_conv1d` (SiLU) on the xBC columns, :func:`ssd_scan` on its
@@ -106,7 +106,7 @@ def mamba2_prefill(
       implementation: "auto" | "xla" | "triton", or a sequence of backend names to take the
         first that serves the call (see ``pallas_kernels.backend``); the ``triton``
         backend's scan takes it too, so ``("mosaic", "triton")`` runs the Mosaic scan.
-      config: the triton backend's block sizes (``mamba_prefill.triton.BlockSizes``: the
+      config: the triton backend's block sizes (``mamba_prefill.triton_config.BlockSizes``: the
         conv's and the norm's); None for their heuristics.
 
     Returns:

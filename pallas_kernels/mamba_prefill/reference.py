@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from pallas_kernels.conv1d import reference as conv
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.norm import reference as norm
+from pallas_kernels.slots import gather_states, live_rows, write_final_states
 from pallas_kernels.ssd import reference as ssd
-from pallas_kernels.ssd.api import gather_states, live_rows, write_final_states
 
 
 def scan_with_cache(

@@ -16,7 +16,8 @@ about 0.3 ms a layer at 32k tokens of Bamba-9B on an H200.
 
 Differentiable (``jax.custom_vjp``): the backward recomputes the step through the three
 ops' own differentiable Pallas kernels on the split rows and takes their VJPs, so the
-gradients are those ops' (and only the inputs are kept for the backward pass).
+gradients are those ops' (and only the inputs are kept for the backward pass). Block sizes
+and their heuristic are in ``mamba_prefill/triton_config.py``.
 """
 
 from __future__ import annotations
@@ -31,53 +32,11 @@ import jax.numpy as jnp
 from pallas_kernels.backend import Call, pallas_dtypes
 from pallas_kernels.conv1d import triton as conv
 from pallas_kernels.mamba_prefill.reference import scan_with_cache
+from pallas_kernels.mamba_prefill.triton_config import BlockSizes
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.norm import triton as norm
-from pallas_kernels.ssd.api import SSD_SCAN, live_rows
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiling of the prefill step: its conv's and norm's block sizes (the scan takes its
-    own backend's heuristic). The conv's ``block_d`` must divide ``d_inner``: each conv
-    program writes either x or ``B | C``."""
-
-    conv: conv.BlockSizes = dataclasses.field(default_factory=conv.BlockSizes)
-    norm: norm.BlockSizes = dataclasses.field(default_factory=norm.BlockSizes)
-
-    def __post_init__(self):
-        for name, kind in (("conv", conv.BlockSizes), ("norm", norm.BlockSizes)):
-            value = getattr(self, name)
-            if not isinstance(value, kind):
-                raise ValueError(
-                    f"{name}={value!r} must be a {kind.__module__}.{kind.__qualname__}"
-                )
-
-
-def default_block_sizes(
-    conv_weight: jax.ShapeDtypeStruct, d_inner: int, norm_group_size: int
-) -> BlockSizes:
-    """The conv's and the norm's heuristics, the conv's channel block halved until it
-    divides ``d_inner``."""
-    conv_blocks = conv.default_block_sizes(*conv_weight.shape)
-    block_d = conv_blocks.block_d
-    while d_inner % block_d:
-        block_d //= 2
-    return BlockSizes(
-        conv=dataclasses.replace(conv_blocks, block_d=block_d),
-        norm=norm.default_block_sizes(norm_group_size),
-    )
-
-
-def check_block_sizes(config: BlockSizes, *, width: int, d_inner: int) -> None:
-    """``ValueError`` when ``config`` cannot serve a conv of ``width`` taps over ``d_inner``
-    channels of x."""
-    conv.check_block_sizes(config.conv, width)
-    if d_inner % config.conv.block_d:
-        raise ValueError(
-            f"conv.block_d={config.conv.block_d} must divide d_inner={d_inner} (each conv "
-            f"program writes x or B | C)"
-        )
+from pallas_kernels.slots import live_rows
+from pallas_kernels.ssd.api import SSD_SCAN
 
 
 @dataclasses.dataclass(frozen=True)

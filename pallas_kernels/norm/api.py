@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.norm import reference, triton
+from pallas_kernels.norm import reference, triton, triton_config
 
 GATED_RMS_NORM = Op(
     "gated_rms_norm",
@@ -15,8 +15,10 @@ GATED_RMS_NORM = Op(
         Backend(
             "triton",
             triton.gated_rms_norm,
-            config_type=triton.BlockSizes,
-            default_config=lambda *_, group_size, **__: triton.default_block_sizes(group_size),
+            config_type=triton_config.BlockSizes,
+            default_config=lambda *_, group_size, **__: triton_config.default_block_sizes(
+                group_size
+            ),
         ),
         Backend("xla", reference.gated_rms_norm),
     ),
@@ -28,8 +30,8 @@ RMS_NORM = Op(
         Backend(
             "triton",
             triton.rms_norm,
-            config_type=triton.BlockSizes,
-            default_config=lambda x, *_, **__: triton.default_block_sizes(x.shape[1]),
+            config_type=triton_config.BlockSizes,
+            default_config=lambda x, *_, **__: triton_config.default_block_sizes(x.shape[1]),
         ),
         Backend("xla", reference.rms_norm),
     ),
@@ -45,7 +47,7 @@ def gated_rms_norm(
     eps: float = 1e-5,
     norm_before_gate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> jax.Array:
     """Grouped RMSNorm with a SiLU gate, statistics in fp32.
 
@@ -62,7 +64,7 @@ def gated_rms_norm(
       norm_before_gate: see above.
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``norm.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``norm.triton_config.BlockSizes``).
 
     Returns:
       y[T, Dm] in ``x``'s dtype.
@@ -97,7 +99,7 @@ def rms_norm(
     residual: jax.Array | None = None,
     eps: float = 1e-5,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """RMSNorm over the last axis, statistics in fp32: ``y = x / sqrt(mean(x²) + eps) ·
     weight``; with ``residual``, the pre-norm block's residual add and norm in one pass.
@@ -115,7 +117,7 @@ def rms_norm(
       eps: added to the mean square.
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``norm.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``norm.triton_config.BlockSizes``).
 
     Returns:
       y[T, D] in x's dtype; ``(y[T, D], s[T, D])`` with a residual.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _validation as checks
 from pallas_kernels.backend import Backend, Call, Implementation, Op
-from pallas_kernels.state_update import reference, triton
+from pallas_kernels.state_update import reference, triton, triton_config
 
 SELECTIVE_STATE_UPDATE = Op(
     "selective_state_update",
@@ -17,13 +17,15 @@ SELECTIVE_STATE_UPDATE = Op(
         Backend(
             "triton",
             triton.selective_state_update,
-            config_type=triton.BlockSizes,
-            default_config=lambda state_cache, x, *_, z=None, **__: triton.default_block_sizes(
-                state_cache.shape[2],
-                state_cache.shape[3],
-                rows=x.shape[0],
-                num_heads=state_cache.shape[1],
-                gated=z is not None,
+            config_type=triton_config.BlockSizes,
+            default_config=lambda state_cache, x, *_, z=None, **__: (
+                triton_config.default_block_sizes(
+                    state_cache.shape[2],
+                    state_cache.shape[3],
+                    rows=x.shape[0],
+                    num_heads=state_cache.shape[1],
+                    gated=z is not None,
+                )
             ),
         ),
         Backend("xla", reference.selective_state_update),
@@ -47,7 +49,7 @@ def selective_state_update(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     validate: bool = False,
     implementation: Implementation = "auto",
-    config: triton.BlockSizes | None = None,
+    config: triton_config.BlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One Mamba2 decode step per row, on a slot-indexed state cache.
 
@@ -76,7 +78,7 @@ def selective_state_update(
       validate: check ``slot_ids`` on the host (needs concrete arrays).
       implementation: "auto" | "xla" | "triton" | "mosaic", or a sequence of backend names
         to take the first that serves the call (see ``pallas_kernels.backend``).
-      config: the chosen backend's block sizes (``state_update.triton.BlockSizes``).
+      config: the chosen backend's block sizes (``state_update.triton_config.BlockSizes``).
 
     Returns:
       ``(y[Bd, H, P], new_state_cache[S, H, P, N])``, ``y`` in ``x``'s dtype.

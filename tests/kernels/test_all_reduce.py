@@ -34,7 +34,7 @@ def test_xla_sums_every_array_of_a_tuple_over_the_axis():
     np.testing.assert_allclose(out_squares, np.broadcast_to(np.sum(squares, 0), squares.shape))
 
 
-def test_routing_by_request_devices_and_bytes():
+def test_internal_routing_by_request_devices_and_bytes():
     rows = lambda n: [jax.ShapeDtypeStruct((n, 4096), jnp.bfloat16)]  # noqa: E731
     assert api.in_kernel_window(rows(256), 2)  # 2 MiB: measured faster
     assert not api.in_kernel_window(rows(1), 2)  # 8 KiB: NCCL's latency is lower
@@ -56,7 +56,7 @@ def test_routing_by_request_devices_and_bytes():
     assert chosen == ["xla", "mosaic" if supports_mosaic() else "xla", "xla"]
 
 
-def test_window_is_one_process(monkeypatch):
+def test_internal_window_is_one_process(monkeypatch):
     rows = [jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)]
     assert api.in_kernel_window(rows, 2)
     # One GPU a process: the kernel has only run with one process driving every GPU.
@@ -215,7 +215,7 @@ def test_mosaic_gradient_lowers_as_a_second_launch():
     assert "stablehlo.all_reduce" not in text
 
 
-def test_flat_operands_pad_to_whole_vectors():
+def test_internal_flat_operands_pad_to_whole_vectors():
     parts = mosaic.flat_operands(
         (
             jnp.ones((3, 5), jnp.bfloat16),

@@ -23,7 +23,11 @@ import pallas_kernels as pk
 from pallas_kernels.attention import _layout as attention_layout
 from pallas_kernels.attention import api
 from pallas_kernels.attention import mosaic as attention_mosaic
+from pallas_kernels.attention import mosaic_common as attention_mosaic_common
+from pallas_kernels.attention import mosaic_config as attention_mosaic_config
 from pallas_kernels.attention import triton as attention_triton
+from pallas_kernels.attention import triton_config as attention_config
+from pallas_kernels.attention import triton_decode as attention_decode
 from pallas_kernels.backend import on_gpu, supports_mosaic
 from pallas_kernels.testing import (
     assert_close,
@@ -158,7 +162,7 @@ def skip_unless_served(batch: AttentionBatch, impl: str, **options) -> None:
     64 or 128, T and L multiples of 8) and raises on the others: the test is skipped with
     the reason rather than run on another backend."""
     skip_if_mosaic_refuses(
-        api.masked_tail_attention,
+        pk.masked_tail_attention,
         batch.q,
         batch.k_cache,
         batch.v_cache,
@@ -171,7 +175,7 @@ def skip_unless_served(batch: AttentionBatch, impl: str, **options) -> None:
 def run_attention(batch: AttentionBatch, impl: str, **options):
     """``masked_tail_attention`` on ``batch`` (skipped where ``impl`` cannot serve it)."""
     skip_unless_served(batch, impl, **options)
-    fn = functools.partial(api.masked_tail_attention, implementation=impl, **options)
+    fn = functools.partial(pk.masked_tail_attention, implementation=impl, **options)
     return fn(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
 
 
@@ -325,7 +329,7 @@ def test_attention_under_jit(impl):
     skip_unless_served(batch, impl)
     fn = jax.jit(
         functools.partial(
-            api.masked_tail_attention, causal=True, sliding_window=5, implementation=impl
+            pk.masked_tail_attention, causal=True, sliding_window=5, implementation=impl
         )
     )
     out = fn(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
@@ -338,7 +342,7 @@ def test_attention_runs_the_named_implementation(impl, dtype):
     """The named backend runs, or the call raises saying why: never another backend.
     A Pallas backend really runs a ``pallas_call`` (the xla path none)."""
     batch = case_batch(np.random.default_rng(11), MIXED, head_dim=64, dtype=dtype)
-    fn = functools.partial(api.masked_tail_attention, implementation=impl)
+    fn = functools.partial(pk.masked_tail_attention, implementation=impl)
     args = (batch.q, batch.k_cache, batch.v_cache)
     if impl == "mosaic":  # T = 15: not a multiple of 8 (and fp32 is not a wgmma dtype)
         with pytest.raises(ValueError, match="'mosaic' cannot serve this call"):
@@ -355,7 +359,7 @@ def test_attention_backend_on_cpu():
     Triton; ("mosaic", "triton") takes Triton."""
     batch = case_batch(np.random.default_rng(12), MIXED, head_dim=64, dtype=jnp.bfloat16)
     args = (batch.q, batch.k_cache, batch.v_cache)
-    op = api.masked_tail_attention
+    op = pk.masked_tail_attention
     assert pk.backend_for(op, *args, **batch.kwargs()) == "xla"
     with pytest.raises(ValueError, match="Hopper"):
         pk.backend_for(op, *args, **batch.kwargs(), implementation="mosaic")
@@ -363,7 +367,7 @@ def test_attention_backend_on_cpu():
         op(*args, **batch.kwargs(), implementation="mosaic")
     either = ("mosaic", "triton")
     assert pk.backend_for(op, *args, **batch.kwargs(), implementation=either) == "triton"
-    config = attention_triton.BlockSizes(block_q=16, block_k=16, split_k=32, decode_block_k=16)
+    config = attention_config.BlockSizes(block_q=16, block_k=16, split_k=32, decode_block_k=16)
     assert (
         pk.backend_for(op, *args, **batch.kwargs(), implementation=either, config=config)
         == "triton"
@@ -383,7 +387,7 @@ def test_attention_out_of_range_slot_ids_are_padding(impl):
     batch.k_cache = poison_slots(batch.k_cache, named)
     batch.v_cache = poison_slots(batch.v_cache, named)
     fn = jax.jit(
-        lambda slot_ids: api.masked_tail_attention(
+        lambda slot_ids: pk.masked_tail_attention(
             batch.q,
             batch.k_cache,
             batch.v_cache,
@@ -498,7 +502,7 @@ def test_write_kv_matches_oracle(impl, case, dtype):
     rng = np.random.default_rng(20)
     batch = case_batch(rng, case, dtype=dtype)
     k, v = make_new_kv(rng, batch, dtype)
-    k_cache, v_cache = api.write_kv(
+    k_cache, v_cache = pk.write_kv(
         batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
     )
     check_write(batch, k, v, k_cache, v_cache)
@@ -510,7 +514,7 @@ def test_write_kv_padding_writes_nothing(impl):
     rng = np.random.default_rng(21)
     batch = make_batch(rng, (2, 3), (5, 3), padding=(True, True), pad_rows=4)
     k, v = make_new_kv(rng, batch, jnp.float32)
-    k_cache, v_cache = api.write_kv(
+    k_cache, v_cache = pk.write_kv(
         batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
     )
     assert_bit_identical(k_cache, batch.k_cache, "k_cache")
@@ -522,7 +526,7 @@ def test_write_kv_under_jit(impl):
     rng = np.random.default_rng(22)
     batch = case_batch(rng, CASES[4])
     k, v = make_new_kv(rng, batch, jnp.float32)
-    fn = jax.jit(functools.partial(api.write_kv, implementation=impl))
+    fn = jax.jit(functools.partial(pk.write_kv, implementation=impl))
     k_cache, v_cache = fn(batch.k_cache, batch.v_cache, k, v, **batch.kwargs())
     check_write(batch, k, v, k_cache, v_cache)
 
@@ -532,7 +536,7 @@ def test_write_kv_runs_the_named_implementation(impl):
     rng = np.random.default_rng(23)
     batch = case_batch(rng, MIXED)
     k, v = make_new_kv(rng, batch, jnp.float32)
-    fn = functools.partial(api.write_kv, implementation=impl)
+    fn = functools.partial(pk.write_kv, implementation=impl)
     args = (batch.k_cache, batch.v_cache, k, v)
     assert pk.backend_for(fn, *args, **batch.kwargs()) == impl
     with pytest.raises(ValueError, match="config of type"):  # write_kv takes no block sizes
@@ -551,7 +555,7 @@ def test_write_kv_out_of_range_slot_ids_are_padding(impl):
     k, v = make_new_kv(rng, batch, jnp.float32)
     num_slots, row = batch.k_cache.shape[0], 0  # the 9-token prefill
     fn = jax.jit(
-        lambda slot_ids: api.write_kv(
+        lambda slot_ids: pk.write_kv(
             batch.k_cache,
             batch.v_cache,
             k,
@@ -571,7 +575,7 @@ def test_write_kv_out_of_range_slot_ids_are_padding(impl):
         slots = batch.slot_ids.copy()
         slots[row] = bad
         with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
-            api.write_kv(
+            pk.write_kv(
                 batch.k_cache,
                 batch.v_cache,
                 k,
@@ -597,7 +601,7 @@ def test_write_kv_then_attention_matches_oracle(write_impl, attention_impl, case
         poisoned = poison_tail(as_f32(getattr(batch, name)), batch.slot_ids, history)
         setattr(batch, name, jnp.asarray(poisoned).astype(dtype))
     k, v = make_new_kv(rng, batch, dtype)
-    k_cache, v_cache = api.write_kv(
+    k_cache, v_cache = pk.write_kv(
         batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=write_impl
     )
     check_write(batch, k, v, k_cache, v_cache)
@@ -660,7 +664,7 @@ MASKS = {
 @pytest.mark.parametrize("kind", list(MASKS))
 def test_kv_lens_from_mask_matches_oracle(kind):
     mask = MASKS[kind]()
-    lens = api.kv_lens_from_mask(mask)
+    lens = pk.kv_lens_from_mask(mask)
     assert lens.dtype == jnp.int32 and lens.shape == (MASK_PATTERN.shape[0],)
     np.testing.assert_array_equal(np.asarray(lens), kv_lens_from_mask_oracle(np.asarray(mask)))
     np.testing.assert_array_equal(np.asarray(lens), PATTERN_LENS)
@@ -669,13 +673,13 @@ def test_kv_lens_from_mask_matches_oracle(kind):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 def test_kv_lens_from_mask_minus_1e4_masks_in_every_float_dtype(dtype):
     """The documented -1e4 convention masks, also in bfloat16 where -1e4 rounds to -9984."""
-    lens = api.kv_lens_from_mask(additive(-1e4, dtype))
+    lens = pk.kv_lens_from_mask(additive(-1e4, dtype))
     np.testing.assert_array_equal(np.asarray(lens), PATTERN_LENS)
 
 
 def test_kv_lens_from_mask_nan_counts_as_masked_and_jit_works():
     mask = additive(np.nan, jnp.float32)
-    lens = jax.jit(api.kv_lens_from_mask)(mask)
+    lens = jax.jit(pk.kv_lens_from_mask)(mask)
     np.testing.assert_array_equal(np.asarray(lens), kv_lens_from_mask_oracle(np.asarray(mask)))
     np.testing.assert_array_equal(np.asarray(lens), PATTERN_LENS)
 
@@ -683,7 +687,7 @@ def test_kv_lens_from_mask_nan_counts_as_masked_and_jit_works():
 def test_kv_lens_from_mask_rejects_non_2d_masks():
     for shape in [(9,), (2, 1, 9)]:
         with pytest.raises(ValueError, match="mask"):
-            api.kv_lens_from_mask(jnp.ones(shape, bool))
+            pk.kv_lens_from_mask(jnp.ones(shape, bool))
 
 
 # --------------------------------------------------------------------------- errors
@@ -743,7 +747,7 @@ def test_write_kv_argument_errors(impl):
     rng = np.random.default_rng(32)
     batch = case_batch(rng, MIXED)
     k, v = make_new_kv(rng, batch, jnp.float32)
-    call = functools.partial(api.write_kv, implementation=impl)
+    call = functools.partial(pk.write_kv, implementation=impl)
     kw = batch.kwargs()
     with pytest.raises(ValueError, match="k must have shape"):
         call(batch.k_cache, batch.v_cache, k[..., :8], v, **kw)
@@ -766,7 +770,7 @@ def test_write_kv_argument_errors(impl):
 # Small blocks on a longer cache, so each program loops over several KV blocks: window-edge,
 # unmasked interior and masked diagonal / kv_len blocks all occur. Group 3 (padded to 4)
 # and D = 24 (padded to 32) exercise the padding masks.
-SMALL_BLOCKS = attention_triton.BlockSizes(block_q=4, block_k=16, split_k=32, decode_block_k=16)
+SMALL_BLOCKS = attention_config.BlockSizes(block_q=4, block_k=16, split_k=32, decode_block_k=16)
 BLOCKS_CASE = VarlenCase(
     "blocks",
     # prefill, chunked prefill, decode, kv_len < q_len, padding, empty, kv_len > L
@@ -783,7 +787,7 @@ def run_decode_path(q, k_cache, v_cache, qsl, kv_lens, slot_ids, causal, window)
     """The Triton decode path with SMALL_BLOCKS on any layout; the mask is traced (one
     compile). Called directly: through the api, only decode-shaped batches (T <= B) take
     this path."""
-    return attention_triton.decode_attention(
+    return attention_decode.decode_attention(
         q,
         k_cache,
         v_cache,
@@ -857,7 +861,7 @@ def test_triton_causal_queries_ignore_keys_above_the_diagonal(path):
     assert not np.any(out[~before] == base[~before]), "perturbed keys had no effect"
 
 
-def test_prefill_table_worked_example():
+def test_internal_prefill_table_worked_example():
     prog_seq, prog_row = attention_layout.prefill_table(
         jnp.array([0, 5, 6, 6, 14], jnp.int32), num_tokens=16, block_q=4, max_q_blocks=8
     )
@@ -865,7 +869,7 @@ def test_prefill_table_worked_example():
     np.testing.assert_array_equal(prog_row, [10, 6, 5, 4, 0, 0, 0, 0])
 
 
-def test_prefill_schedule_worked_example():
+def test_internal_prefill_schedule_worked_example():
     """The docstring's example: longest programs first (stable), unused entries last and
     given the rows past the last sequence end."""
     qsl = jnp.array([0, 5, 6, 6, 14], jnp.int32)
@@ -899,10 +903,10 @@ def test_block_sizes_are_validated():
     ):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
-            attention_triton.BlockSizes(**bad)
+            attention_config.BlockSizes(**bad)
     batch = case_batch(np.random.default_rng(52), MIXED, num_q_heads=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="block_q"):  # 4 rows < 16: too small for a dot
-        run_attention(batch, "triton", config=attention_triton.BlockSizes(block_q=4))
+        run_attention(batch, "triton", config=attention_config.BlockSizes(block_q=4))
 
 
 def _lower_attention(path, *, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, dtype):
@@ -912,9 +916,9 @@ def _lower_attention(path, *, num_tokens, num_seqs, num_q_heads, num_kv_heads, h
         kernel = (
             attention_triton.prefill_attention
             if path == "prefill"
-            else attention_triton.decode_attention
+            else attention_decode.decode_attention
         )
-        blocks = attention_triton.default_block_sizes(
+        blocks = attention_config.default_block_sizes(
             num_tokens=num_tokens,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
@@ -983,7 +987,7 @@ def test_decode_attention_lowers(head_dim, dtype):
     assert "attention_decode_split" in text and "attention_decode_combine" in text
 
 
-def test_write_kv_lowers():
+def test_internal_write_kv_lowers():
     slots, cache_len, tokens, num_seqs = 8, 4096, 512, 4
     cache = spec((slots, cache_len, 8, 128))
     text = lower_for_cuda(
@@ -1073,7 +1077,7 @@ def test_write_kv_real_size(impl):
         extra_slots=3,
     )
     k, v = make_new_kv(rng, batch, jnp.bfloat16)
-    k_cache, v_cache = api.write_kv(
+    k_cache, v_cache = pk.write_kv(
         batch.k_cache, batch.v_cache, k, v, **batch.kwargs(), implementation=impl
     )
     check_write(batch, k, v, k_cache, v_cache)
@@ -1102,7 +1106,7 @@ def _plan_case(case: VarlenCase, *, window, causal, block_q=8, block_k=16, cache
         slots[np.asarray(case.padding)] = -1
     qsl = query_start_loc(case.q_lens)
     band = attention_layout.band_operand(causal, window)
-    item_plan = attention_mosaic.plan(
+    item_plan = attention_mosaic_common.plan(
         jnp.asarray(qsl),
         jnp.asarray(case.kv_lens, jnp.int32),
         jnp.asarray(slots),
@@ -1118,12 +1122,12 @@ def _plan_case(case: VarlenCase, *, window, causal, block_q=8, block_k=16, cache
 
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
+def test_internal_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
     block_q, block_k = 8, 16
     p, qsl, slots, (left, right), num_tokens = _plan_case(
         MOSAIC_CASE, window=window, causal=causal, block_q=block_q, block_k=block_k
     )
-    consumers = range(attention_mosaic._CONSUMERS)
+    consumers = range(attention_mosaic_common.CONSUMERS)
     written = np.zeros(num_tokens, int)
     for i in range(p.num_items):
         row0, kv_len, pos0 = p.row0[i], p.kv_len[i], p.pos0[i]
@@ -1174,14 +1178,14 @@ def test_mosaic_plan_visits_exactly_the_visible_blocks(causal, window):
 
 @pytest.mark.parametrize("num_q_heads, group", [(32, 1), (32, 4), (28, 4), (6, 3), (8, 8)])
 @pytest.mark.parametrize("num_items", [1, 50, 138, 10_000])
-def test_mosaic_head_group_divides_heads_and_fills_the_gpu(num_q_heads, group, num_items):
+def test_internal_mosaic_head_group_divides_heads_and_fills_the_gpu(num_q_heads, group, num_items):
     num_sms = 132
-    heads = attention_mosaic.default_head_group(
+    heads = attention_mosaic_config.default_head_group(
         num_q_heads=num_q_heads, group=group, num_items=num_items, num_sms=num_sms
     )
     assert num_q_heads % heads == 0
     assert heads % group == 0  # query heads sharing a KV head launch together
-    waves = attention_mosaic._WAVES_PER_HEAD_GROUP
+    waves = attention_mosaic_config._WAVES_PER_HEAD_GROUP
     if heads < num_q_heads:  # a group fills the GPU...
         assert heads * num_items >= waves * num_sms
     # ...with no more heads than it needs.
@@ -1189,7 +1193,7 @@ def test_mosaic_head_group_divides_heads_and_fills_the_gpu(num_q_heads, group, n
         assert num_q_heads % fewer or fewer * num_items < waves * num_sms
 
 
-def test_mosaic_head_group_must_divide_heads():
+def test_internal_mosaic_head_group_must_divide_heads():
     T, L, Hq, D = 64, 64, 6, 64
     q = jnp.zeros((T, Hq, D), jnp.bfloat16)
     cache = jnp.zeros((1, L, 2, D), jnp.bfloat16)
@@ -1204,7 +1208,7 @@ def test_mosaic_head_group_must_divide_heads():
             causal=True,
             sm_scale=D**-0.5,
             sliding_window=None,
-            block_sizes=attention_mosaic.BlockSizes(head_group=4),
+            block_sizes=attention_mosaic_config.BlockSizes(head_group=4),
         )
 
 
@@ -1230,12 +1234,12 @@ def _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads, case=MOSAIC_C
     "dtype, head_dim, num_q_heads, num_kv_heads",
     [(jnp.bfloat16, 128, 8, 2), (jnp.float16, 64, 3, 3), (jnp.bfloat16, 64, 4, 1)],
 )
-def test_mosaic_kernel_matches_oracle(
+def test_internal_mosaic_kernel_matches_oracle(
     dtype, head_dim, num_q_heads, num_kv_heads, causal, window, block_k, head_group
 ):
     rng = np.random.default_rng(50)
     batch = _mosaic_batch(rng, dtype, head_dim, num_q_heads, num_kv_heads)
-    blocks = attention_mosaic.BlockSizes(block_k=block_k, head_group=head_group)
+    blocks = attention_mosaic_config.BlockSizes(block_k=block_k, head_group=head_group)
     out = attention_mosaic.masked_tail_attention(
         batch.q,
         batch.k_cache,
@@ -1252,7 +1256,7 @@ def test_mosaic_kernel_matches_oracle(
 @pytest.mark.gpu
 @pytest.mark.skipif(not supports_mosaic(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("window", [None, 70])
-def test_mosaic_lse_and_gradients_match_triton(window):
+def test_internal_mosaic_lse_and_gradients_match_triton(window):
     """Under differentiation the Mosaic kernel saves the lse the Triton backward kernels
     read: it is the Triton forward's on every row, and the gradients through the Mosaic
     backend are the Triton backend's."""
@@ -1265,14 +1269,14 @@ def test_mosaic_lse_and_gradients_match_triton(window):
         *operands,
         **batch.kwargs(),
         **mask,
-        block_sizes=attention_mosaic.BlockSizes(),
+        block_sizes=attention_mosaic_config.BlockSizes(),
         with_lse=True,
     )
     ref_out, ref_lse = attention_triton.prefill_attention(
         *operands,
         **batch.kwargs(),
         **mask,
-        block_sizes=attention_triton.BlockSizes(),
+        block_sizes=attention_config.BlockSizes(),
         with_lse=True,
     )
     assert_close(as_f32(out), as_f32(ref_out), rtol=tolerance_for(jnp.bfloat16), name="out")
@@ -1301,7 +1305,7 @@ def test_mosaic_lse_and_gradients_match_triton(window):
     "dtype, head_dim, num_q_heads, num_kv_heads",
     [(jnp.bfloat16, 128, 8, 2), (jnp.float16, 64, 4, 4)],
 )
-def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_heads):
+def test_internal_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_heads):
     """The Mosaic GPU kernel lowers for Hopper on any machine (CI has no GPU): catches
     unsupported primitives and layouts before a GPU run does."""
     T, S, L, B = 512, 4, 1024, 3
@@ -1317,7 +1321,7 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, head_dim, num_q_heads, num_kv_head
             causal=True,
             sm_scale=head_dim**-0.5,
             sliding_window=None,
-            config=attention_mosaic.BlockSizes(),
+            config=attention_mosaic_config.BlockSizes(),
         )
 
     def gradients(q, k, v, qsl, kv_lens, slots, dout):

@@ -22,9 +22,9 @@ from pallas_kernels.conv1d import api as conv_api
 from pallas_kernels.mamba_decode import api as mamba_decode_api
 from pallas_kernels.mamba_prefill import api as mamba_prefill_api
 from pallas_kernels.norm import api as norm_api
-from pallas_kernels.norm import triton as norm_triton
+from pallas_kernels.norm import triton_config as norm_config
 from pallas_kernels.ssd import api as ssd_api
-from pallas_kernels.ssd import triton as ssd_triton
+from pallas_kernels.ssd import triton_config as ssd_config
 from pallas_kernels.state_update import api as state_update_api
 
 ON_CPU = jax.default_backend() == "cpu"
@@ -188,7 +188,7 @@ def test_sequence_takes_the_first_named_backend_that_serves(names, n, device, ex
     assert picked(Toy(), n, names, device=device) == expected
 
 
-def test_sequence_errors():
+def test_internal_sequence_errors():
     toy = Toy()
     with pytest.raises(ValueError, match="n=500 is above limit_triton=100") as err:
         picked(toy, 500, ("mosaic", "triton"))
@@ -203,7 +203,7 @@ def test_sequence_errors():
             picked(toy, 5, bad)
 
 
-def test_unknown_and_missing_names_raise():
+def test_internal_unknown_and_missing_names_raise():
     with pytest.raises(ValueError, match="must be one of"):
         picked(Toy(), 5, "cuda")
     only_xla = Op("only_xla", (Backend("xla", lambda n: n),))
@@ -211,7 +211,7 @@ def test_unknown_and_missing_names_raise():
         only_xla.select(Call((1,), {}), "triton", device=HOPPER)
 
 
-def test_backend_entries_are_checked():
+def test_internal_backend_entries_are_checked():
     with pytest.raises(ValueError, match="backend name"):
         Backend("cuda", lambda: None)
     with pytest.raises(ValueError, match="go together"):
@@ -243,7 +243,7 @@ def test_config_steers_auto_to_its_backend():
         picked(toy, 50, config=MosaicTiles())  # mosaic cannot serve; no other takes it
 
 
-def test_equal_calls_are_traced_once():
+def test_internal_equal_calls_are_traced_once():
     """A model calls each kernel once a layer with equal shapes and constants: the backend
     is traced, and its kernels lowered, once per program rather than once per layer."""
     traces = []
@@ -352,7 +352,7 @@ def test_backend_for_real_ops_on_cpu():
     assert pk.backend_for(pk.gated_rms_norm, *args, **kwargs) == "xla"
     assert pk.backend_for(pk.gated_rms_norm, *args, **kwargs, implementation="triton") == "triton"
     assert pk.backend_for(pk.gated_rms_norm, *args, **kwargs, implementation="xla") == "xla"
-    config = norm_triton.BlockSizes()
+    config = norm_config.BlockSizes()
     assert (
         pk.backend_for(pk.gated_rms_norm, *args, **kwargs, implementation="triton", config=config)
         == "triton"
@@ -394,7 +394,7 @@ def test_mosaic_on_cpu_raises_naming_hopper():
     )
 
 
-def test_mosaic_attention_names_what_it_cannot_serve():
+def test_internal_mosaic_attention_names_what_it_cannot_serve():
     """The Mosaic kernel's ``supports`` on a Hopper device: prefill in bf16/fp16, head dim
     64 or 128 (decode-shaped, fp32 and other head dims go to Triton under auto)."""
     op = attention_api.MASKED_TAIL_ATTENTION
@@ -428,7 +428,7 @@ def test_mosaic_attention_names_what_it_cannot_serve():
     ],
     ids=lambda op: op.name,
 )
-def test_every_op_has_xla_last_and_pallas_backends_take_configs(op):
+def test_internal_every_op_has_xla_last_and_pallas_backends_take_configs(op):
     """xla serves every call, so auto always finds a backend; it comes last (the Pallas
     kernels are preferred where they run) and takes no block sizes; every Pallas backend
     but ``write_kv``'s (a copy) does (``mamba2_decode``'s and ``mamba2_prefill``'s: their
@@ -445,25 +445,24 @@ def test_every_op_has_xla_last_and_pallas_backends_take_configs(op):
 def test_a_config_of_another_op_is_refused():
     args, kwargs = _norm_args()
     with pytest.raises(ValueError, match="config of type"):
-        pk.gated_rms_norm(*args, **kwargs, implementation="triton", config=ssd_triton.BlockSizes())
+        pk.gated_rms_norm(*args, **kwargs, implementation="triton", config=ssd_config.BlockSizes())
 
 
 def _int_block_size_types() -> list[type]:
     """Every block-size dataclass of every op whose fields are ints (or None)."""
-    from pallas_kernels.attention import mosaic as attention_mosaic
-    from pallas_kernels.attention import triton as attention_triton
-    from pallas_kernels.conv1d import triton as conv_triton
+    from pallas_kernels.attention import mosaic_config as attention_mosaic_config
+    from pallas_kernels.attention import triton_config as attention_config
+    from pallas_kernels.conv1d import triton_config as conv_config
     from pallas_kernels.grouped_matmul import mosaic as grouped_mosaic
-    from pallas_kernels.grouped_matmul import triton as grouped_triton
-    from pallas_kernels.ssd import mosaic as ssd_mosaic
-    from pallas_kernels.ssd import triton_backward as ssd_backward
-    from pallas_kernels.state_update import triton as state_update_triton
+    from pallas_kernels.grouped_matmul import triton_config as grouped_config
+    from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
+    from pallas_kernels.state_update import triton_config as state_update_config
 
     return [
-        ssd_triton.BlockSizes, ssd_backward.BackwardBlockSizes, ssd_mosaic.BlockSizes,
-        conv_triton.BlockSizes, state_update_triton.BlockSizes, norm_triton.BlockSizes,
-        attention_triton.BlockSizes, attention_triton.BackwardBlockSizes,
-        attention_mosaic.BlockSizes, grouped_triton.BlockSizes, grouped_mosaic.BlockSizes,
+        ssd_config.BlockSizes, ssd_config.BackwardBlockSizes, ssd_mosaic_config.BlockSizes,
+        conv_config.BlockSizes, state_update_config.BlockSizes, norm_config.BlockSizes,
+        attention_config.BlockSizes, attention_config.BackwardBlockSizes,
+        attention_mosaic_config.BlockSizes, grouped_config.BlockSizes, grouped_mosaic.BlockSizes,
     ]  # fmt: skip
 
 
@@ -482,12 +481,12 @@ def test_block_sizes_refuse_fields_that_are_not_ints(config_type):
 
 def test_block_sizes_bool_fields_refuse_ints():
     """A field declared ``bool`` (the state update's ``unroll_heads``) takes only bools."""
-    from pallas_kernels.state_update import triton as state_update_triton
+    from pallas_kernels.state_update import triton_config as state_update_config
 
-    assert state_update_triton.BlockSizes(unroll_heads=True).unroll_heads
+    assert state_update_config.BlockSizes(unroll_heads=True).unroll_heads
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="unroll_heads=.* must be a bool"):
-            state_update_triton.BlockSizes(unroll_heads=bad)
+            state_update_config.BlockSizes(unroll_heads=bad)
 
 
 @cpu_only

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import pallas_kernels as pk
 from pallas_kernels.conv1d import api
 from pallas_kernels.conv1d import triton as conv_triton
+from pallas_kernels.conv1d import triton_config as conv_config
 from pallas_kernels.testing import (
     assert_close,
     assert_close_per_row,
@@ -53,7 +54,7 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 DIM = 16
 # Small Triton prefill tiles: 8-row blocks (sequences span several), 4-row steps (>= K - 1
 # for every width here), two 8-channel blocks.
-SMALL_TILES = conv_triton.BlockSizes(block_t=8, unroll_t=4, block_d=8, num_warps=2)
+SMALL_TILES = conv_config.BlockSizes(block_t=8, unroll_t=4, block_d=8, num_warps=2)
 
 
 def prefill_config(impl: str, tiles=SMALL_TILES):
@@ -180,7 +181,7 @@ def case_batch(rng, case: VarlenCase, **kw) -> ConvBatch:
 def _jitted_prefill(impl: str, activation, tiles):
     return jax.jit(
         functools.partial(
-            api.causal_conv1d,
+            pk.causal_conv1d,
             activation=activation,
             implementation=impl,
             config=prefill_config(impl, tiles),
@@ -198,7 +199,7 @@ def run_prefill(
     if not eager and not kw:
         fn = _jitted_prefill(impl, activation, tiles)
         return fn(batch.x, batch.weight, batch.bias, **batch.kwargs())
-    return api.causal_conv1d(
+    return pk.causal_conv1d(
         batch.x,
         batch.weight,
         batch.bias,
@@ -356,7 +357,7 @@ def test_prefill_under_jit(impl):
     batch = case_batch(np.random.default_rng(6), CASES[3], K=3)
     fn = jax.jit(
         functools.partial(
-            api.causal_conv1d,
+            pk.causal_conv1d,
             activation="silu",
             implementation=impl,
             config=prefill_config(impl),
@@ -371,7 +372,7 @@ def test_prefill_runs_the_named_implementation(impl):
     """The named backend is the one selected (no hand-off), and a Pallas backend really
     runs a ``pallas_call`` (the xla path none)."""
     batch = case_batch(np.random.default_rng(7), MIXED, K=4)
-    fn = functools.partial(api.causal_conv1d, activation="silu", implementation=impl)
+    fn = functools.partial(pk.causal_conv1d, activation="silu", implementation=impl)
     args = (batch.x, batch.weight, batch.bias)
     assert pk.backend_for(fn, *args, **batch.kwargs()) == impl
     assert pk.backend_for(fn, *args, **batch.kwargs(), config=prefill_config(impl)) == impl
@@ -402,7 +403,7 @@ def test_prefill_out_of_range_slot_ids_are_padding(impl):
     named = np.delete(batch.slot_ids, row)
     batch.conv_state_cache = poison_slots(batch.conv_state_cache, named)
     fn = jax.jit(
-        lambda slot_ids: api.causal_conv1d(
+        lambda slot_ids: pk.causal_conv1d(
             batch.x,
             batch.weight,
             batch.bias,
@@ -508,7 +509,7 @@ def test_update_matches_oracle(impl, K, steps, dtype):
     x, cache, weight, bias, slot_ids = make_update(
         np.random.default_rng(10), [3, -1, 0, 5], K=K, num_slots=6, steps=steps, dtype=dtype
     )
-    y, new_cache = api.causal_conv1d_update(
+    y, new_cache = pk.causal_conv1d_update(
         x, cache, weight, bias, slot_ids=slot_ids, activation="silu", implementation=impl
     )
     y_ref, cache_ref = causal_conv1d_update_oracle(
@@ -535,7 +536,7 @@ def test_update_activation_and_bias(impl, activation, with_bias):
         np.random.default_rng(11), [1, 2, -1], K=3, num_slots=4, steps=2
     )
     bias = bias if with_bias else None
-    y, new_cache = api.causal_conv1d_update(
+    y, new_cache = pk.causal_conv1d_update(
         x, cache, weight, bias, slot_ids=slot_ids, activation=activation, implementation=impl
     )
     y_ref, cache_ref = causal_conv1d_update_oracle(
@@ -551,7 +552,7 @@ def test_update_with_only_padding_rows_changes_nothing(impl):
     x, cache, weight, bias, _ = make_update(np.random.default_rng(12), [0], K=4, num_slots=3)
     cache = cache.at[0].set(jnp.nan)  # slot 0 is now unnamed too
     slot_ids = np.full(1, -1, np.int32)
-    y, new_cache = api.causal_conv1d_update(
+    y, new_cache = pk.causal_conv1d_update(
         x, cache, weight, bias, slot_ids=slot_ids, implementation=impl
     )
     assert np.all(np.asarray(y) == 0)
@@ -564,12 +565,12 @@ def test_update_is_deterministic_and_jittable(impl):
         np.random.default_rng(13), [2, -1, 0], K=4, num_slots=4, steps=3, dtype=jnp.bfloat16
     )
     eager = [
-        api.causal_conv1d_update(x, cache, weight, bias, slot_ids=slot_ids, implementation=impl)
+        pk.causal_conv1d_update(x, cache, weight, bias, slot_ids=slot_ids, implementation=impl)
         for _ in range(2)
     ]
     assert_bit_identical(eager[0][0], eager[1][0], "y")
     assert_bit_identical(eager[0][1], eager[1][1], "conv_state_cache")
-    fn = jax.jit(functools.partial(api.causal_conv1d_update, implementation=impl))
+    fn = jax.jit(functools.partial(pk.causal_conv1d_update, implementation=impl))
     y, new_cache = fn(x, cache, weight, bias, slot_ids=slot_ids)
     y_ref, cache_ref = causal_conv1d_update_oracle(
         as_f32(x), as_f32(cache), as_f32(weight), as_f32(bias), slot_ids=slot_ids, activation="silu"
@@ -583,7 +584,7 @@ def test_update_runs_the_named_implementation(impl):
     x, cache, weight, bias, slot_ids = make_update(
         np.random.default_rng(14), [1, 0], K=4, num_slots=2
     )
-    fn = functools.partial(api.causal_conv1d_update, slot_ids=slot_ids, implementation=impl)
+    fn = functools.partial(pk.causal_conv1d_update, slot_ids=slot_ids, implementation=impl)
     assert pk.backend_for(fn, x, cache, weight, bias) == impl
     jaxpr = str(jax.make_jaxpr(fn)(x, cache, weight, bias))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
@@ -601,7 +602,7 @@ def test_update_out_of_range_slot_ids_are_padding(impl, steps):
     )
     cache = poison_slots(cache, np.delete(slot_ids, row))  # slot 5 too
     fn = jax.jit(
-        lambda slot_ids: api.causal_conv1d_update(
+        lambda slot_ids: pk.causal_conv1d_update(
             x, cache, weight, bias, slot_ids=slot_ids, implementation=impl
         )
     )
@@ -624,7 +625,7 @@ def test_update_out_of_range_slot_ids_are_padding(impl, steps):
         ids = slot_ids.copy()
         ids[row] = bad
         with pytest.raises(ValueError, match="slot_ids must be -1 or in"):
-            api.causal_conv1d_update(
+            pk.causal_conv1d_update(
                 x, cache, weight, bias, slot_ids=ids, implementation=impl, validate=True
             )
 
@@ -661,7 +662,7 @@ def test_prefill_then_decode_equals_one_prefill(prefill_impl, update_impl, K, mo
 
     decode = jax.jit(  # one compile for every decode step
         functools.partial(
-            api.causal_conv1d_update,
+            pk.causal_conv1d_update,
             weight=whole.weight,
             bias=whole.bias,
             slot_ids=whole.slot_ids,
@@ -743,7 +744,7 @@ def test_update_argument_errors_name_the_argument(impl):
     x, cache, weight, bias, slot_ids = make_update(
         np.random.default_rng(32), [1, 0], K=4, num_slots=3
     )
-    call = functools.partial(api.causal_conv1d_update, implementation=impl)
+    call = functools.partial(pk.causal_conv1d_update, implementation=impl)
     with pytest.raises(ValueError, match="weight"):
         call(x, cache, weight[:8], bias, slot_ids=slot_ids)
     with pytest.raises(ValueError, match="bias"):
@@ -822,7 +823,7 @@ def test_prefill_strided_input(impl):
         axis=1,
     )
     call = jax.jit(
-        lambda wide: api.causal_conv1d(
+        lambda wide: pk.causal_conv1d(
             wide[:, offset : offset + dim],
             batch.weight,
             batch.bias,
@@ -845,7 +846,7 @@ def test_update_real_size(impl, steps):
     x, cache, weight, bias, slot_ids = make_update(
         rng, slot_ids, K=4, num_slots=512, steps=steps, dim=4096, dtype=jnp.bfloat16
     )
-    y, new_cache = api.causal_conv1d_update(
+    y, new_cache = pk.causal_conv1d_update(
         x, cache, weight, bias, slot_ids=slot_ids, implementation=impl
     )
     y_ref, cache_ref = causal_conv1d_update_oracle(
@@ -858,7 +859,7 @@ def test_update_real_size(impl, steps):
 
 @pytest.mark.parametrize("width", [2, 3, 4])
 @pytest.mark.parametrize("dim", [64, 2064])
-def test_triton_kernels_lower_for_cuda(width, dim):
+def test_internal_triton_kernels_lower_for_cuda(width, dim):
     """The Triton kernels lower for CUDA (interpret mode does not enforce Triton's rules),
     bf16 SiLU on the hardware tanh included (inline PTX, which interpret mode skips)."""
     T, B, S = 256, 3, 4
@@ -873,7 +874,7 @@ def test_triton_kernels_lower_for_cuda(width, dim):
             slot_ids=slots,
             has_initial_state=has_state,
             activation="silu",
-            config=conv_triton.default_block_sizes(dim, width),
+            config=conv_config.default_block_sizes(dim, width),
         )
 
     text = lower_for_cuda(
@@ -897,7 +898,7 @@ def test_triton_kernels_lower_for_cuda(width, dim):
             None,
             slot_ids=slots,
             activation="silu",
-            config=conv_triton.default_update_block_sizes(dim),
+            config=conv_config.default_update_block_sizes(dim),
         )
 
     text = lower_for_cuda(

@@ -17,11 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 from pallas_kernels.conv1d import api as conv_api
 from pallas_kernels.conv1d import triton as conv_triton
+from pallas_kernels.conv1d import triton_config as conv_config
 from pallas_kernels.mamba_decode import api as mamba_decode_api
 from pallas_kernels.state_update import api as state_update_api
 from pallas_kernels.state_update import triton as state_update_triton
+from pallas_kernels.state_update import triton_config as state_update_config
 from pallas_kernels.testing import (
     assert_close,
     causal_conv1d_update_oracle,
@@ -92,7 +95,7 @@ def _ssu_call(case: str, impl: str, names):
 
     def f(*values):
         a = dict(zip(names, values, strict=True))
-        return state_update_api.selective_state_update(
+        return pk.selective_state_update(
             *(a[k] for k in ("state_cache", "x", "dt", "A", "B", "C")),
             slot_ids=SLOTS,
             D=a.get("D"),
@@ -108,7 +111,7 @@ def _ssu_call(case: str, impl: str, names):
 
 @pytest.mark.parametrize("case", list(SSU_CASES))
 @pytest.mark.parametrize("impl", implementations(state_update_api.SELECTIVE_STATE_UPDATE))
-def test_selective_state_update_gradients(impl, case):
+def test_internal_selective_state_update_gradients(impl, case):
     """Every float input's gradient (the cache's from the cotangents of y and of the new
     cache) against finite differences of the float64 oracle and, for Pallas backends, the
     xla path's; the padding row's inputs get exactly 0 and slots no row names pass their
@@ -159,7 +162,7 @@ def test_selective_state_update_clamp_ties_split_as_xla():
 
     def grads(impl):
         def f(cache, x, dt, A, B, C):
-            return state_update_api.selective_state_update(
+            return pk.selective_state_update(
                 cache, x, dt, A, B, C, slot_ids=SLOTS, dt_limit=(0.0, 0.5), implementation=impl
             )
 
@@ -188,7 +191,7 @@ def test_decode_gradients_in_bf16(cache_dtype):
 
     def grads(impl):
         def f(cache, x, dt, A, B, C, z):
-            return state_update_api.selective_state_update(
+            return pk.selective_state_update(
                 cache, x, dt, A, B, C, slot_ids=SLOTS, z=z, dt_softplus=True, implementation=impl
             )
 
@@ -216,7 +219,7 @@ CONV_CASES = {
 
 @pytest.mark.parametrize("case", list(CONV_CASES))
 @pytest.mark.parametrize("impl", implementations(conv_api.CAUSAL_CONV1D_UPDATE))
-def test_causal_conv1d_update_gradients(impl, case):
+def test_internal_causal_conv1d_update_gradients(impl, case):
     """dx, the conv state cache's, dweight and dbias for one token per row (``x[Bd, dim]``)
     and ``L`` tokens, fewer and more than the ``K - 1`` history columns (fewer: the new
     state keeps some old columns), with and without SiLU and a bias, against finite
@@ -234,7 +237,7 @@ def test_causal_conv1d_update_gradients(impl, case):
 
     def call(impl):
         def f(x, cache, weight, bias=None):
-            return conv_api.causal_conv1d_update(
+            return pk.causal_conv1d_update(
                 x, cache, weight, bias, slot_ids=SLOTS, activation=activation, implementation=impl
             )
 
@@ -263,7 +266,7 @@ MD_NAMES = ("zxbcdt", "conv_state_cache", "conv_weight", "conv_bias", "ssm_state
 
 @pytest.mark.parametrize("normed", [True, False], ids=["norm", "gate_in_update"])
 @pytest.mark.parametrize("impl", implementations(mamba_decode_api.MAMBA2_DECODE))
-def test_mamba2_decode_gradients(impl, normed):
+def test_internal_mamba2_decode_gradients(impl, normed):
     """The fused decode step's gradients in every float input (with the gated norm, and
     with the z gate applied by the state update), against finite differences of the three
     ops' float64 oracles on the split row and the xla path's."""
@@ -321,7 +324,7 @@ def test_decode_backward_runs_its_own_kernels():
         assert name in kernels, kernels
 
 
-def test_decode_backward_kernels_lower_for_cuda():
+def test_internal_decode_backward_kernels_lower_for_cuda():
     """The backward kernels lower for CUDA at Bamba-9B's sizes (interpret mode does not
     enforce Triton's rules): 128 heads of 64 × 128 fp32 states, with softplus, D[H] and
     the gate, and without softplus, with a two-sided clamp and D[H, P] (whose clamp mask
@@ -330,7 +333,7 @@ def test_decode_backward_kernels_lower_for_cuda():
     R, S, H, P, N, G = 4, 8, 128, 64, 128, 1
     f32 = jnp.float32
     cache = spec((S, H, P, N), f32)
-    cfg = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
+    cfg = state_update_config.default_block_sizes(P, N, rows=R, num_heads=H)
     for dt_softplus, dt_limit, D_shape, gated in (
         (True, (0.0, float("inf")), (H,), True),
         (False, (0.1, 0.9), (H, P), False),
@@ -360,7 +363,7 @@ def test_decode_backward_kernels_lower_for_cuda():
     conv = functools.partial(
         conv_triton.causal_conv1d_update,
         activation="silu",
-        config=conv_triton.default_update_block_sizes(dim),
+        config=conv_config.default_update_block_sizes(dim),
     )
 
     def conv_grads(x, cache, w, b, slots, dy, dcache):

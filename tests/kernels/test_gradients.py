@@ -14,13 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 from pallas_kernels.attention import api as attn_api
-from pallas_kernels.attention import mosaic as attn_mosaic
+from pallas_kernels.attention import mosaic_config as attn_mosaic_config
 from pallas_kernels.attention import triton as attn_triton
+from pallas_kernels.attention import triton_config as attn_config
+from pallas_kernels.attention import triton_vjp as attn_vjp
 from pallas_kernels.conv1d import api as conv_api
 from pallas_kernels.conv1d import triton as conv_triton
+from pallas_kernels.conv1d import triton_config as conv_config
 from pallas_kernels.norm import api as norm_api
 from pallas_kernels.norm import triton as norm_triton
+from pallas_kernels.norm import triton_config as norm_config
+from pallas_kernels.norm import triton_vjp as norm_vjp
 from pallas_kernels.testing import (
     assert_close,
     attention_oracle,
@@ -66,7 +72,7 @@ NORM_IMPLS = implementations(norm_api.GATED_RMS_NORM)
 # 18 channels in groups of 6: a group is not a power of two (masked tile columns); 5 rows
 # in blocks of 2 (a partial row block).
 NORM_T, NORM_DM, NORM_GS = 5, 18, 6
-NORM_CONFIG = norm_triton.BlockSizes(block_rows=2, num_warps=4)
+NORM_CONFIG = norm_config.BlockSizes(block_rows=2, num_warps=4)
 
 
 def _norm_inputs(seed: int):
@@ -82,7 +88,7 @@ def _norm_grads(impl, x, z, weight, dy, *, norm_before_gate):
     config = NORM_CONFIG if impl == "triton" else None
 
     def f(x, z, weight):
-        return norm_api.gated_rms_norm(
+        return pk.gated_rms_norm(
             x,
             z,
             weight,
@@ -136,10 +142,10 @@ def test_gated_rms_norm_bf16_gradient_dtypes(impl):
         assert_close(as_f32(g), as_f32(r), rtol=2e-2, name=name)
 
 
-def test_gated_rms_norm_backward_loops_over_row_blocks(monkeypatch):
+def test_internal_gated_rms_norm_backward_loops_over_row_blocks(monkeypatch):
     """With fewer backward programs than row blocks (one per group here), each program
     loops over several row blocks and sums their dweight: the same gradients."""
-    monkeypatch.setattr(norm_triton, "device_num_sms", lambda: 1)
+    monkeypatch.setattr(norm_vjp, "device_num_sms", lambda: 1)
     x, z, weight, dy = _norm_inputs(0)
     grads = _norm_grads("triton", x, z, weight, dy, norm_before_gate=False)
     xla = _norm_grads("xla", x, z, weight, dy, norm_before_gate=False)
@@ -150,7 +156,7 @@ def test_gated_rms_norm_triton_backward_runs_its_own_kernel():
     x, z, weight, _ = _norm_inputs(2)
 
     def loss(x, z, weight):
-        y = norm_api.gated_rms_norm(
+        y = pk.gated_rms_norm(
             x, z, weight, group_size=NORM_GS, implementation="triton", config=NORM_CONFIG
         )
         return jnp.sum(y * y)
@@ -164,7 +170,7 @@ def test_gated_rms_norm_triton_backward_runs_its_own_kernel():
 
 
 @pytest.mark.parametrize("impl", implementations(norm_api.RMS_NORM))
-def test_add_rms_norm_gradients(impl):
+def test_internal_add_rms_norm_gradients(impl):
     """``rms_norm`` with a residual: (y, s) both carry cotangents (the next block reads the
     norm, the stream goes on), so dx = dresidual = ds + the norm's backward of dy. dx,
     dresidual and dweight against finite differences of the float64 oracle, and the Pallas
@@ -175,9 +181,7 @@ def test_add_rms_norm_gradients(impl):
 
     def grads_of(impl, config):
         def f(x, residual, weight):
-            return norm_api.rms_norm(
-                x, weight, residual=residual, implementation=impl, config=config
-            )
+            return pk.rms_norm(x, weight, residual=residual, implementation=impl, config=config)
 
         _, vjp = jax.vjp(f, x, residual, weight)
         return vjp((dy, dtotal))
@@ -200,7 +204,7 @@ def test_add_rms_norm_gradients(impl):
 CONV_IMPLS = implementations(conv_api.CAUSAL_CONV1D)
 CONV_K, CONV_DIM = 4, 12
 # 4-row token blocks in 8-channel blocks (a masked channel tail).
-CONV_CONFIG = conv_triton.BlockSizes(block_t=4, unroll_t=4, block_d=8, num_warps=2)
+CONV_CONFIG = conv_config.BlockSizes(block_t=4, unroll_t=4, block_d=8, num_warps=2)
 # A 9-token prompt (three blocks), an empty sequence, a continued prefix shorter than
 # K - 1 (the new state mixes old state and tokens), a padding sequence, a continued
 # 6-token prefix and bucket rows past the sequences.
@@ -237,7 +241,7 @@ def _conv_grads(impl, x, weight, bias, qsl, cache, dy, dcache, *, activation):
     config = CONV_CONFIG if impl == "triton" else None
 
     def f(x, weight, bias, cache):
-        return conv_api.causal_conv1d(
+        return pk.causal_conv1d(
             x,
             weight,
             bias,
@@ -287,7 +291,7 @@ def test_causal_conv1d_triton_backward_runs_its_own_kernel():
     x, weight, bias, qsl, cache, _, _ = _conv_inputs(4)
 
     def loss(x, weight, bias):
-        y, new_cache = conv_api.causal_conv1d(
+        y, new_cache = pk.causal_conv1d(
             x, weight, bias, **_conv_kwargs(qsl, cache), implementation="triton", config=CONV_CONFIG
         )
         return jnp.sum(y * y) + jnp.sum(new_cache)
@@ -307,7 +311,7 @@ def test_causal_conv1d_triton_backward_runs_its_own_kernel():
 ATTN_IMPLS = [i for i in implementations(attn_api.MASKED_TAIL_ATTENTION) if i != "mosaic"]
 ATTN_HQ, ATTN_HKV, ATTN_D, ATTN_S, ATTN_L = 4, 2, 16, 6, 24
 # 8-row Q tiles of 2 query heads (16 rows), 16-key KV blocks.
-ATTN_CONFIG = attn_triton.BlockSizes(block_q=8, block_k=16, split_k=16, decode_block_k=16)
+ATTN_CONFIG = attn_config.BlockSizes(block_q=8, block_k=16, split_k=16, decode_block_k=16)
 # A prompt, an empty sequence, a continued prefix (4 cached keys), a padding sequence and
 # a long continuation over two KV blocks, plus 2 bucket rows; GQA (2 query heads per KV
 # head). Decode: one token per sequence (T <= B: the split-KV forward).
@@ -337,7 +341,7 @@ def _attn_grads(impl, q, k, v, batch, dout, **mask):
     config = ATTN_CONFIG if impl == "triton" else None
 
     def f(q, k, v):
-        return attn_api.masked_tail_attention(
+        return pk.masked_tail_attention(
             q, k, v, **batch, **mask, implementation=impl, config=config
         )
 
@@ -413,7 +417,7 @@ def test_masked_tail_attention_padding_rows_get_zero_gradients(impl):
 
 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 9)])
-def test_masked_tail_attention_backward_tiles(causal, window):
+def test_internal_masked_tail_attention_backward_tiles(causal, window):
     """The dK/dV kernel's row loop masks only the tiles on the band's edges and at kv_len:
     with 16-key blocks and 8-token steps over 40- and 33-row sequences most tiles are
     interior (unmasked) ones. Every tiling gives the xla path's gradients."""
@@ -435,12 +439,12 @@ def test_masked_tail_attention_backward_tiles(causal, window):
     xla = _attn_grads("xla", q, k, v, batch, dout, causal=causal, sliding_window=window)
     names = tuple(f"{n} ({causal=}, {window=})" for n in ("dq", "dk_cache", "dv_cache"))
     for tiles in (
-        attn_triton.BackwardBlockSizes(
+        attn_config.BackwardBlockSizes(
             dq_block_q=8, dq_block_k=16, dkv_block_q=8, dkv_block_k=16, dkv_num_stages=1
         ),
-        attn_triton.BackwardBlockSizes(dq_block_q=16, dq_block_k=32, dkv_block_q=16),
+        attn_config.BackwardBlockSizes(dq_block_q=16, dq_block_k=32, dkv_block_q=16),
     ):
-        grads = attn_triton.attention_backward(
+        grads = attn_vjp.attention_backward(
             q, k, v, out, lse, dout, **batch, **mask, block_sizes=tiles, interpret=True
         )
         _check_against_xla(grads, xla, tuple(f"{n} {tiles}" for n in names))
@@ -451,7 +455,7 @@ def test_masked_tail_attention_backward_tiles(causal, window):
     "impl", [i for i in implementations(attn_api.MASKED_TAIL_ATTENTION) if i != "xla"]
 )
 @pytest.mark.parametrize("window", [None, 100])
-def test_masked_tail_attention_gradients_real_size(impl, window):
+def test_internal_masked_tail_attention_gradients_real_size(impl, window):
     """bf16 at a real head layout (Hq 32, Hkv 8, D 128) with the default tiles, against the
     xla path's fp32 gradient: long prompts, a continued prefix, a decode row, an empty
     and a padding sequence, NaN cache tails."""
@@ -468,7 +472,7 @@ def test_masked_tail_attention_gradients_real_size(impl, window):
 
     def grads(impl, *operands):
         def f(*operands):
-            return attn_api.masked_tail_attention(
+            return pk.masked_tail_attention(
                 *operands, **batch, sliding_window=window, implementation=impl
             )
 
@@ -487,7 +491,7 @@ def test_masked_tail_attention_triton_backward_runs_its_own_kernels():
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
 
     def loss(q, k, v):
-        out = attn_api.masked_tail_attention(
+        out = pk.masked_tail_attention(
             q, k, v, **batch, implementation="triton", config=ATTN_CONFIG
         )
         return jnp.sum(out * out)
@@ -525,7 +529,7 @@ def test_write_kv_gradients(paged):
 
     def grads(impl):
         def write(*args):
-            return attn_api.write_kv(*args, **batch, implementation=impl)
+            return pk.write_kv(*args, **batch, implementation=impl)
 
         _, vjp = jax.vjp(write, k_cache, v_cache, k, v)
         return vjp(cotangents)
@@ -538,7 +542,7 @@ def test_write_kv_gradients(paged):
     assert np.all(dk[:3] != 0.0)
 
     def loss(k_cache, v_cache, k, v):
-        kc, vc = attn_api.write_kv(k_cache, v_cache, k, v, **batch, implementation="triton")
+        kc, vc = pk.write_kv(k_cache, v_cache, k, v, **batch, implementation="triton")
         return jnp.sum(kc * cotangents[0]) + jnp.sum(vc * cotangents[1])
 
     # jax.grad drops the unused forward write: what is left is the backward's zeroing.
@@ -549,12 +553,12 @@ def test_write_kv_gradients(paged):
 # --------------------------------------------------------------------------- lowering
 
 
-def test_backward_kernels_lower_for_cuda():
+def test_internal_backward_kernels_lower_for_cuda():
     """The backward kernels lower for CUDA at real sizes with the heuristics' tiles
     (interpret mode does not enforce Triton's rules), the Mosaic backend's gradient (the
     Triton forward with lse and backward kernels) included."""
     dim, gs = 2064, 258
-    cfg = norm_triton.default_block_sizes(gs)
+    cfg = norm_config.default_block_sizes(gs)
 
     def norm(x, z, w, dy):
         f = functools.partial(
@@ -566,7 +570,7 @@ def test_backward_kernels_lower_for_cuda():
     assert "gated_rms_norm_bwd" in text
 
     T, B, S, width = 256, 3, 4, 4
-    conv_cfg = conv_triton.default_block_sizes(dim, width)
+    conv_cfg = conv_config.default_block_sizes(dim, width)
 
     def conv(x, w, b, qsl, cache, slots, has_state, dy, dcache):
         f = functools.partial(
@@ -605,7 +609,7 @@ def test_backward_kernels_lower_for_cuda():
             causal=True,
             sm_scale=D**-0.5,
             sliding_window=None,
-            config=attn_mosaic.BlockSizes(),
+            config=attn_mosaic_config.BlockSizes(),
         )
         return jax.vjp(f, q, k, v)[1](dout)
 

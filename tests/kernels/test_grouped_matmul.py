@@ -23,12 +23,13 @@ from pallas_kernels.backend import on_gpu, supports_mosaic
 from pallas_kernels.grouped_matmul import api
 from pallas_kernels.grouped_matmul import mosaic as gm_mosaic
 from pallas_kernels.grouped_matmul import triton as gm_triton
+from pallas_kernels.grouped_matmul import triton_config as gm_config
 from pallas_kernels.testing import assert_close, grouped_matmul_oracle, tolerance_for
 from tests.helpers import as_f32, implementations, lower_for_cuda, normal, spec
 
 IMPLS = implementations(api.GROUPED_MATMUL)
 DTYPES = (jnp.float32, jnp.bfloat16)
-SMALL_TILES = gm_triton.BlockSizes(block_m=16, block_n=16, block_k=16, num_warps=2)
+SMALL_TILES = gm_config.BlockSizes(block_m=16, block_n=16, block_k=16, num_warps=2)
 
 
 def config_for(impl: str, tiles=SMALL_TILES):
@@ -40,7 +41,7 @@ def op_for(impl: str, x, w, group_sizes, *, tiles=SMALL_TILES):
     """``grouped_matmul`` bound to ``impl`` (and its test config). ``mosaic`` (on a Hopper
     GPU) may serve only some calls (dtypes, alignments) and raises on the others: the test
     is skipped with the reason rather than run on another backend."""
-    fn = functools.partial(api.grouped_matmul, implementation=impl, config=config_for(impl, tiles))
+    fn = functools.partial(pk.grouped_matmul, implementation=impl, config=config_for(impl, tiles))
     if impl == "mosaic":
         try:
             pk.backend_for(fn, x, w, group_sizes)
@@ -198,7 +199,7 @@ def test_triton_backward_runs_its_own_kernels():
     x, w, group_sizes = make_inputs(np.random.default_rng(7), c)
 
     def loss(x, w):
-        y = api.grouped_matmul(x, w, group_sizes, implementation="triton", config=SMALL_TILES)
+        y = pk.grouped_matmul(x, w, group_sizes, implementation="triton", config=SMALL_TILES)
         return jnp.sum(y * y)
 
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
@@ -218,12 +219,12 @@ def test_under_x64(impl):
         check_output(x, w, c.group_sizes, y)
         x64, w64 = x.astype(jnp.float64), w.astype(jnp.float64)
         if impl == "xla":
-            y = api.grouped_matmul(x64, w64, group_sizes, implementation=impl)
+            y = pk.grouped_matmul(x64, w64, group_sizes, implementation=impl)
             assert y.dtype == jnp.float64
             check_output(x64, w64, c.group_sizes, y, rtol=1e-6)  # as_f32 rounds y
         else:
             with pytest.raises(ValueError, match="float64"):
-                api.grouped_matmul(x64, w64, group_sizes, implementation=impl)
+                pk.grouped_matmul(x64, w64, group_sizes, implementation=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -257,8 +258,8 @@ def test_runs_the_named_implementation(impl):
 @pytest.mark.parametrize(
     "tiles",
     [
-        gm_triton.BlockSizes(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1),
-        gm_triton.BlockSizes(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2),
+        gm_config.BlockSizes(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1),
+        gm_config.BlockSizes(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2),
     ],
 )
 def test_triton_config_is_used(tiles):
@@ -266,7 +267,7 @@ def test_triton_config_is_used(tiles):
     oracle's numbers; without one the heuristic's config does."""
     c = CASES["uneven_with_tail"]
     x, w, group_sizes = make_inputs(np.random.default_rng(11), c)
-    fn = functools.partial(api.grouped_matmul, implementation="triton")
+    fn = functools.partial(pk.grouped_matmul, implementation="triton")
 
     def kernel_names(**kw):
         jaxpr = jax.make_jaxpr(functools.partial(fn, **kw))(x, w, group_sizes)
@@ -277,7 +278,7 @@ def test_triton_config_is_used(tiles):
         f"grouped_matmul_bm{t.block_m}_bn{t.block_n}_bk{t.block_k}_w{t.num_warps}_s{t.num_stages}"
     )
     assert kernel_names(config=tiles) == {name}
-    d = gm_triton.default_block_sizes(c.num_rows, c.K, c.N, len(c.group_sizes), x.dtype)
+    d = gm_config.default_block_sizes(c.num_rows, c.K, c.N, len(c.group_sizes), x.dtype)
     assert d != tiles
     assert kernel_names() == {
         f"grouped_matmul_bm{d.block_m}_bn{d.block_n}_bk{d.block_k}_w{d.num_warps}_s{d.num_stages}"
@@ -300,7 +301,7 @@ def test_triton_config_is_used(tiles):
 )
 def test_invalid_block_sizes(fields, match):
     with pytest.raises(ValueError, match=match):
-        gm_triton.BlockSizes(**fields)
+        gm_config.BlockSizes(**fields)
 
 
 def test_narrow_tiles():
@@ -308,9 +309,9 @@ def test_narrow_tiles():
     the 32-row dot: both give the oracle's rows and gradients (groups of 3, 16 and 17 rows
     sit on either side of the switch; a 40-row group spans a full and a partial tile)."""
     c = Case("narrow", 90, (3, 0, 40, 16, 17, 7), K=24, N=40)
-    tiles = gm_triton.BlockSizes(block_m=32, narrow_m=16, block_n=16, block_k=16, num_warps=2)
+    tiles = gm_config.BlockSizes(block_m=32, narrow_m=16, block_n=16, block_k=16, num_warps=2)
     x, w, group_sizes = make_inputs(np.random.default_rng(15), c, poison_tail=False)
-    run = functools.partial(api.grouped_matmul, implementation="triton", config=tiles)
+    run = functools.partial(pk.grouped_matmul, implementation="triton", config=tiles)
     y, vjp = jax.vjp(lambda x, w: run(x, w, group_sizes), x, w)
     check_output(x, w, c.group_sizes, y)
     dy = normal(np.random.default_rng(16), (c.num_rows, c.N), jnp.float32)
@@ -323,13 +324,13 @@ def test_narrow_tiles():
 def test_decode_heuristic_has_a_narrow_path():
     """Weight-streaming calls get 64-row tiles with a narrow path of the mean rows per
     expert; a call no larger than one narrow tile, and prefill calls, get one tile size."""
-    decode = gm_triton.default_block_sizes(1536, 2688, 1856, 128, jnp.bfloat16)
+    decode = gm_config.default_block_sizes(1536, 2688, 1856, 128, jnp.bfloat16)
     assert (decode.block_m, decode.narrow_m) == (64, 16)
-    one_token = gm_triton.default_block_sizes(6, 2688, 1856, 128, jnp.bfloat16)
+    one_token = gm_config.default_block_sizes(6, 2688, 1856, 128, jnp.bfloat16)
     assert (one_token.block_m, one_token.narrow_m) == (16, None)
-    busy = gm_triton.default_block_sizes(2560, 768, 4096, 72, jnp.bfloat16)
+    busy = gm_config.default_block_sizes(2560, 768, 4096, 72, jnp.bfloat16)
     assert (busy.block_m, busy.narrow_m) == (64, None)
-    prefill = gm_triton.default_block_sizes(81920, 4096, 1536, 72, jnp.bfloat16)
+    prefill = gm_config.default_block_sizes(81920, 4096, 1536, 72, jnp.bfloat16)
     assert (prefill.block_m, prefill.narrow_m) == (128, None)
 
 
@@ -337,10 +338,10 @@ def test_config_of_another_backend_is_refused():
     c = CASES["full"]
     x, w, group_sizes = make_inputs(np.random.default_rng(12), c)
     with pytest.raises(ValueError, match="config"):
-        api.grouped_matmul(x, w, group_sizes, implementation="xla", config=SMALL_TILES)
+        pk.grouped_matmul(x, w, group_sizes, implementation="xla", config=SMALL_TILES)
 
 
-def test_tile_schedule_worked_example():
+def test_internal_tile_schedule_worked_example():
     """The module docstring's example: tiles never straddle experts; the tail has its own
     (expert E) tiles; padding tiles are empty."""
     expert, start, end = gm_triton.tile_schedule(jnp.array([6, 0, 3], jnp.int32), 12, 4)
@@ -352,7 +353,7 @@ def test_tile_schedule_worked_example():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_tile_schedule_covers_every_row_once(seed):
+def test_internal_tile_schedule_covers_every_row_once(seed):
     """Random group sizes: the live tiles cover [0, M) exactly once, each within one group,
     within the static bound."""
     rng = np.random.default_rng(seed)
@@ -377,7 +378,7 @@ def test_tile_schedule_covers_every_row_once(seed):
 def test_argument_errors_name_the_argument(impl):
     c = CASES["full"]
     x, w, group_sizes = make_inputs(np.random.default_rng(13), c)
-    run = functools.partial(api.grouped_matmul, implementation=impl)
+    run = functools.partial(pk.grouped_matmul, implementation=impl)
     with pytest.raises(ValueError, match=r"x must have shape \[M, K\]"):
         run(x[None], w, group_sizes)
     with pytest.raises(ValueError, match=r"w must have shape \[E, K, N\]"):
@@ -436,10 +437,10 @@ def test_real_size(impl, tokens, top_k, K, N, E):
         (37, 40, 24, 4),
     ],
 )
-def test_triton_kernels_lower_for_cuda(M, K, N, E):
+def test_internal_triton_kernels_lower_for_cuda(M, K, N, E):
     """Forward and backward kernels lower for CUDA with the heuristic's tiles (interpret
     mode does not enforce Triton's rules)."""
-    config = gm_triton.default_block_sizes(M, K, N, E, jnp.bfloat16)
+    config = gm_config.default_block_sizes(M, K, N, E, jnp.bfloat16)
 
     def fn(x, w, group_sizes, dy):
         y, vjp = jax.vjp(
@@ -455,7 +456,7 @@ def test_triton_kernels_lower_for_cuda(M, K, N, E):
 # --------------------------------------------------------------------------- Mosaic GPU
 
 
-def test_mosaic_plan_worked_example():
+def test_internal_mosaic_plan_worked_example():
     """The Mosaic module docstring's example: items start at multiples of 8, hold one
     expert's stored rows (leading rows of the previous expert are computed, not stored)
     and the rows past sum(group_sizes) form zero-storing items (group -1)."""
@@ -470,7 +471,7 @@ def test_mosaic_plan_worked_example():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_mosaic_plan_stores_every_row_once(seed):
+def test_internal_mosaic_plan_stores_every_row_once(seed):
     """Random group sizes: the items' stored rows cover [0, M) exactly once, each inside
     its expert's rows (or the tail for group -1), reads starting at multiples of 8."""
     rng = np.random.default_rng(seed)
@@ -502,14 +503,14 @@ def test_mosaic_plan_stores_every_row_once(seed):
         (1024, 128, 128, 4, jnp.bfloat16, None),
     ],
 )
-def test_mosaic_supports(M, K, N, E, dtype, reason):
+def test_internal_mosaic_supports(M, K, N, E, dtype, reason):
     """What the Mosaic kernel leaves to Triton, said in the reason (static facts only)."""
     got = gm_mosaic.supports(spec((M, K), dtype), spec((E, K, N), dtype), spec((E,), jnp.int32))
     assert got is None if reason is None else reason in got
 
 
 @pytest.mark.parametrize(("M", "K", "N", "E"), [(81920, 4096, 1536, 72), (49152, 1856, 2688, 128)])
-def test_mosaic_kernel_lowers_for_cuda(M, K, N, E):
+def test_internal_mosaic_kernel_lowers_for_cuda(M, K, N, E):
     """The Mosaic kernel lowers for CUDA with the heuristic's tiles (its backward is the
     Triton kernels', lowered above)."""
     config = gm_mosaic.default_block_sizes(M, K, N, E, jnp.bfloat16)
@@ -530,11 +531,11 @@ def test_mosaic_compute_bound_calls(sizes):
     rng = np.random.default_rng(sum(sizes))
     c = Case("mosaic", 1024, sizes, K=256, N=192)
     x, w, group_sizes = make_inputs(rng, c, jnp.bfloat16)
-    assert pk.backend_for(api.grouped_matmul, x, w, group_sizes) == "mosaic"
-    check_output(x, w, group_sizes, api.grouped_matmul(x, w, group_sizes))
+    assert pk.backend_for(pk.grouped_matmul, x, w, group_sizes) == "mosaic"
+    check_output(x, w, group_sizes, pk.grouped_matmul(x, w, group_sizes))
     x = jnp.nan_to_num(x)
     dy = normal(rng, (c.num_rows, c.N), jnp.bfloat16)
-    _, vjp = jax.vjp(lambda x, w: api.grouped_matmul(x, w, group_sizes), x, w)
+    _, vjp = jax.vjp(lambda x, w: pk.grouped_matmul(x, w, group_sizes), x, w)
     dx, dw = vjp(dy)
     dx_ref, dw_ref = oracle_grads(x, w, sizes, dy)
     assert_close(as_f32(dx), dx_ref, rtol=2e-2, name="dx")

@@ -16,11 +16,13 @@ import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.mamba_decode import triton as mamba_decode_triton
+from pallas_kernels.mamba_decode import triton_config as mamba_decode_config
 from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.ssd import triton_config as ssd_config
 from pallas_kernels.state_update import triton as state_update_triton
+from pallas_kernels.state_update import triton_config as state_update_config
 from tests.helpers import lower_for_cuda, primitives_outside_kernels, spec
 
 
@@ -32,7 +34,7 @@ from tests.helpers import lower_for_cuda, primitives_outside_kernels, spec
         (4, 8, 8, False, jnp.float32),
     ],
 )
-def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
+def test_internal_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
     text = _lower_ssd(
         ssd_triton.ssd_scan,
         head_dim=head_dim,
@@ -50,7 +52,7 @@ def test_ssd_lowers(head_dim, state_dim, chunk_size, intermediate, dtype):
     ("chunk_size", "gated", "intermediate"),
     [(256, True, False), (128, False, False), (256, False, True)],
 )
-def test_ssd_mosaic_lowers(chunk_size, gated, intermediate):
+def test_internal_ssd_mosaic_lowers(chunk_size, gated, intermediate):
     """The Mosaic GPU kernels lower (layouts, transforms, barriers): chunk 256 with D, z
     and initial states (two blocks per chunk, two state-scan steps per chunk), chunk 128
     without them: the state scan and the chunk scan are the two Mosaic kernels and no
@@ -68,7 +70,7 @@ def test_ssd_mosaic_lowers(chunk_size, gated, intermediate):
     assert "ssd_chunk_scan" not in text and "ssd_chunk_cb" not in text
 
 
-def test_ssd_mosaic_calls_share_one_compiled_scan():
+def test_internal_ssd_mosaic_calls_share_one_compiled_scan():
     """Calls with equal options reuse the scan that ``triton._differentiable`` caches for
     them: the Mosaic stages it is keyed by are one object per config, not one per call."""
     options = dict(chunk_size=128, return_intermediate_states=False)
@@ -134,7 +136,7 @@ def _lower_ssd(
 @pytest.mark.parametrize(
     "cache_dtype, R", [(jnp.float32, 4), (jnp.bfloat16, 4), (jnp.float32, 256)]
 )
-def test_state_update_lowers(cache_dtype, R):
+def test_internal_state_update_lowers(cache_dtype, R):
     """One head per program, and (256 rows) 4 heads per program unrolled.
     ``D[H]`` reaches the kernel as it is (a scalar per head): no ``[H, P]`` broadcast before
     the custom call, which was one more launch per decode step of every Mamba layer."""
@@ -157,7 +159,7 @@ def test_state_update_lowers(cache_dtype, R):
             config=config,
         )
 
-    config = state_update_triton.default_block_sizes(P, N, rows=R, num_heads=H)
+    config = state_update_config.default_block_sizes(P, N, rows=R, num_heads=H)
     assert (config.block_h, config.unroll_heads) == ((4, True) if R == 256 else (1, False))
 
     text = lower_for_cuda(
@@ -177,7 +179,7 @@ def test_state_update_lowers(cache_dtype, R):
 
 
 @pytest.mark.parametrize("norm, gate", [(True, True), (False, True), (False, False)])
-def test_mamba2_decode_lowers_on_packed_rows(norm, gate):
+def test_internal_mamba2_decode_lowers_on_packed_rows(norm, gate):
     """Bamba-9B's decode mixer lowers as the conv update, the state update and (with the
     norm) the gated norm, and nothing outside the kernels slices in_proj's rows or the conv
     output: each such slice was an XLA copy kernel a layer before the kernels read the
@@ -204,7 +206,7 @@ def test_mamba2_decode_lowers_on_packed_rows(norm, gate):
             norm_eps=1e-5,
             norm_before_gate=False,
             gate=gate,
-            config=mamba_decode_triton.default_block_sizes(
+            config=mamba_decode_config.default_block_sizes(
                 rows=R,
                 conv_dim=conv_dim,
                 state_shape=(H, P, N),

@@ -283,19 +283,19 @@ def test_config_sets_each_kernels_tiling(unroll_heads):
     unrolled, 2-row norm programs, 8-channel conv blocks) give the oracles' results and show
     in the kernels' names; a config of another type, or with a field of another kernel's
     type, is refused."""
-    from pallas_kernels.conv1d import triton as conv_triton
-    from pallas_kernels.mamba_decode import triton as mamba_decode_triton
-    from pallas_kernels.norm import triton as norm_triton
-    from pallas_kernels.state_update import triton as state_update_triton
+    from pallas_kernels.conv1d import triton_config as conv_config
+    from pallas_kernels.mamba_decode import triton_config as mamba_decode_config
+    from pallas_kernels.norm import triton_config as norm_config
+    from pallas_kernels.state_update import triton_config as state_update_config
 
     arrays, options = make_step(3, groups=2, seed=11)
     slots = [4, -1, 1]
-    config = mamba_decode_triton.BlockSizes(
-        conv=conv_triton.BlockSizes(block_t=4, unroll_t=4, block_d=8, num_warps=1),
-        state_update=state_update_triton.BlockSizes(
+    config = mamba_decode_config.BlockSizes(
+        conv=conv_config.BlockSizes(block_t=4, unroll_t=4, block_d=8, num_warps=1),
+        state_update=state_update_config.BlockSizes(
             block_p=4, block_h=2, num_warps=1, unroll_heads=unroll_heads
         ),
-        norm=norm_triton.BlockSizes(block_rows=2, num_warps=1),
+        norm=norm_config.BlockSizes(block_rows=2, num_warps=1),
     )
     out = run("triton", arrays, slots, config=config, **options)
     check(arrays, slots, out, groups=2, rtol=F32_TOL, **options)
@@ -304,6 +304,6 @@ def test_config_sets_each_kernels_tiling(unroll_heads):
     for kernel in ("causal_conv1d_update_k4_bd8", state_update, "rows2"):
         assert kernel in jaxpr, f"{kernel} not among the step's kernels"
     with pytest.raises(ValueError, match="config of type"):
-        run("triton", arrays, slots, config=state_update_triton.BlockSizes(), **options)
+        run("triton", arrays, slots, config=state_update_config.BlockSizes(), **options)
     with pytest.raises(ValueError, match="state_update="):
-        mamba_decode_triton.BlockSizes(state_update=norm_triton.BlockSizes())
+        mamba_decode_config.BlockSizes(state_update=norm_config.BlockSizes())

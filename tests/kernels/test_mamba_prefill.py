@@ -12,8 +12,9 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import mamba2_prefill
 from pallas_kernels.conv1d import triton as conv_triton
+from pallas_kernels.conv1d import triton_config as conv_config
 from pallas_kernels.mamba_prefill import api as mamba_prefill_api
-from pallas_kernels.mamba_prefill import triton as mamba_prefill_triton
+from pallas_kernels.mamba_prefill import triton_config as mamba_prefill_config
 from pallas_kernels.norm import triton as norm_triton
 from pallas_kernels.testing import (
     assert_close_per_row,
@@ -288,8 +289,8 @@ def test_gradients_equal_the_references(norm):
         (dict(query_start_loc=jnp.zeros((2, 3), jnp.int32)), "query_start_loc must have"),
         (dict(has_initial_state=jnp.zeros(3, bool)), "has_initial_state"),
         (dict(chunk_size=16), "chunk"),
-        (dict(config=mamba_prefill_triton.BlockSizes(
-            conv=conv_triton.BlockSizes(block_d=128))), "block_d=128 must divide"),
+        (dict(config=mamba_prefill_config.BlockSizes(
+            conv=conv_config.BlockSizes(block_d=128))), "block_d=128 must divide"),
     ],
 )  # fmt: skip
 def test_bad_arguments(change, match):
@@ -301,7 +302,7 @@ def test_bad_arguments(change, match):
         run(impl, arrays, **options)
 
 
-def test_lowers_without_column_copies():
+def test_internal_lowers_without_column_copies():
     """Bamba-9B's prefill mixer (chunk 256, 4k tokens): the conv reading in_proj's rows
     and writing x and ``B | C`` apart, and the norm reading z from in_proj's rows and
     zeroing padding rows, lower for CUDA; and the step copies no slice as wide as d_inner
@@ -309,7 +310,7 @@ def test_lowers_without_column_copies():
     where they lie)."""
     S, H, P, N, G, K, T, Bs = 8, 128, 64, 128, 1, 4, 4096, 4
     d_inner, conv_dim = H * P, H * P + 2 * G * N
-    config = mamba_prefill_triton.default_block_sizes(spec((conv_dim, K)), d_inner, d_inner)
+    config = mamba_prefill_config.default_block_sizes(spec((conv_dim, K)), d_inner, d_inner)
     layout = (spec((Bs + 1,), jnp.int32), spec((Bs,), jnp.int32), spec((Bs,), jnp.bool_))
     rows, conv_cache = spec((T, d_inner + conv_dim + H)), spec((S, K - 1, conv_dim))
 

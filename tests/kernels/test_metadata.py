@@ -258,7 +258,7 @@ def test_metadata_argument_errors():
         chunk_metadata(jnp.array([0, 3]), jnp.array([0]), chunk_size=4, max_chunks=0)
 
 
-def test_step_layouts_lower_without_loops():
+def test_internal_step_layouts_lower_without_loops():
     """A step's layouts (the chunk metadata, its sequences' chunks, the block and token
     layouts, the forward batch) are straight-line programs: a binary search would be a
     loop whose every iteration the host launches as its own kernels."""

@@ -14,6 +14,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels.norm import api
 from pallas_kernels.norm import triton as norm_triton
+from pallas_kernels.norm import triton_config as norm_config
 from pallas_kernels.testing import assert_close, gated_rms_norm_oracle, tolerance_for
 from tests.helpers import as_f32, implementations, lower_for_cuda, normal, spec
 
@@ -60,7 +61,7 @@ def check_norm(x, z, weight, y, *, rtol=None, **options) -> None:
 def test_matches_oracle(impl, shape, norm_before_gate, gated, dtype):
     T, Dm, group_size = SHAPES[shape]
     x, z, weight = make_inputs(np.random.default_rng(0), T, Dm, dtype=dtype, gated=gated)
-    y = api.gated_rms_norm(
+    y = pk.gated_rms_norm(
         x, z, weight, group_size=group_size, norm_before_gate=norm_before_gate, implementation=impl
     )
     check_norm(x, z, weight, y, group_size=group_size, norm_before_gate=norm_before_gate)
@@ -72,7 +73,7 @@ def test_gate_order_matters(impl):
     its own oracle."""
     x, z, weight = make_inputs(np.random.default_rng(1), 6, 16)
     outs = [
-        api.gated_rms_norm(x, z, weight, group_size=4, norm_before_gate=f, implementation=impl)
+        pk.gated_rms_norm(x, z, weight, group_size=4, norm_before_gate=f, implementation=impl)
         for f in (False, True)
     ]
     assert not np.allclose(as_f32(outs[0]), as_f32(outs[1]), rtol=1e-2)
@@ -85,7 +86,7 @@ def test_gate_order_matters(impl):
 def test_eps_inside_the_square_root(impl, eps):
     """Small inputs (mean square ~1e-4) make eps = 0.5 dominate the denominator."""
     x, z, weight = make_inputs(np.random.default_rng(2), 5, 16, x_scale=1e-2)
-    y = api.gated_rms_norm(x, z, weight, group_size=8, eps=eps, implementation=impl)
+    y = pk.gated_rms_norm(x, z, weight, group_size=8, eps=eps, implementation=impl)
     check_norm(x, z, weight, y, group_size=8, eps=eps)
 
 
@@ -96,7 +97,7 @@ def test_statistics_in_fp32(impl, dtype):
     accumulated in fp32."""
     x, z, weight = make_inputs(np.random.default_rng(3), 4, 32, dtype=dtype, x_scale=1e3)
     for norm_before_gate in (False, True):
-        y = api.gated_rms_norm(
+        y = pk.gated_rms_norm(
             x, z, weight, group_size=16, norm_before_gate=norm_before_gate, implementation=impl
         )
         check_norm(x, z, weight, y, group_size=16, norm_before_gate=norm_before_gate)
@@ -107,7 +108,7 @@ def test_groups_are_independent(impl):
     """Scaling one group of x leaves every other group's output unchanged (and this one's
     too, RMSNorm being scale invariant up to eps)."""
     x, z, weight = make_inputs(np.random.default_rng(4), 3, 16, gated=False)
-    norm = functools.partial(api.gated_rms_norm, group_size=4, eps=0.0, implementation=impl)
+    norm = functools.partial(pk.gated_rms_norm, group_size=4, eps=0.0, implementation=impl)
     base = as_f32(norm(x, None, weight))
     scaled = as_f32(norm(x.at[:, 4:8].multiply(100.0), None, weight))
     np.testing.assert_array_equal(scaled[:, :4], base[:, :4])
@@ -118,7 +119,7 @@ def test_groups_are_independent(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_deterministic_and_jittable(impl):
     x, z, weight = make_inputs(np.random.default_rng(5), 7, 24, dtype=jnp.bfloat16)
-    norm = functools.partial(api.gated_rms_norm, group_size=8, implementation=impl)
+    norm = functools.partial(pk.gated_rms_norm, group_size=8, implementation=impl)
     first, second = norm(x, z, weight), norm(x, z, weight)
     assert np.asarray(first).tobytes() == np.asarray(second).tobytes()
     y = jax.jit(norm)(x, z, weight)
@@ -130,7 +131,7 @@ def test_runs_the_named_implementation(impl):
     """The named backend is selected (no hand-off), and a Pallas backend really runs a
     ``pallas_call`` (the xla path none)."""
     x, z, weight = make_inputs(np.random.default_rng(6), 4, 16)
-    fn = functools.partial(api.gated_rms_norm, group_size=8, implementation=impl)
+    fn = functools.partial(pk.gated_rms_norm, group_size=8, implementation=impl)
     assert pk.backend_for(fn, x, z, weight) == impl
     jaxpr = str(jax.make_jaxpr(fn)(x, z, weight))
     assert ("pallas_call" in jaxpr) == (impl != "xla")
@@ -141,14 +142,14 @@ def test_triton_config_is_used(block_rows):
     """An explicit config reaches the kernel (its name carries the tiling) and gives the
     oracle's numbers; the default heuristic's config too."""
     x, z, weight = make_inputs(np.random.default_rng(9), 5, 24)
-    config = norm_triton.BlockSizes(block_rows=block_rows)
-    fn = functools.partial(api.gated_rms_norm, group_size=8, implementation="triton")
+    config = norm_config.BlockSizes(block_rows=block_rows)
+    fn = functools.partial(pk.gated_rms_norm, group_size=8, implementation="triton")
 
     def kernel_names(**kw):
         jaxpr = jax.make_jaxpr(functools.partial(fn, **kw))(x, z, weight)
         return set(re.findall(r"gated_rms_norm_gs8_rows\d+", str(jaxpr)))
 
-    default = norm_triton.default_block_sizes(8).block_rows
+    default = norm_config.default_block_sizes(8).block_rows
     assert default not in (1, 4)
     assert kernel_names(config=config) == {f"gated_rms_norm_gs8_rows{block_rows}"}
     assert kernel_names() == {f"gated_rms_norm_gs8_rows{default}"}
@@ -161,7 +162,7 @@ def test_triton_config_is_used(block_rows):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_argument_errors_name_the_argument(impl):
     x, z, weight = make_inputs(np.random.default_rng(7), 4, 16)
-    norm = functools.partial(api.gated_rms_norm, implementation=impl)
+    norm = functools.partial(pk.gated_rms_norm, implementation=impl)
     for group_size in (5, 3, 32, 0, -4):
         with pytest.raises(ValueError, match="group_size"):
             norm(x, z, weight, group_size=group_size)
@@ -202,16 +203,16 @@ def test_rms_norm_matches_oracle(impl, added, dtype):
     rng = np.random.default_rng(10)
     x, _, weight = make_inputs(rng, 5, 24, dtype=dtype, gated=False)
     residual = normal(rng, (5, 24), dtype, scale=30.0) if added else None
-    out = api.rms_norm(x, weight, residual=residual, implementation=impl)
+    out = pk.rms_norm(x, weight, residual=residual, implementation=impl)
     check_rms_norm(x, residual, weight, out)
-    jitted = jax.jit(functools.partial(api.rms_norm, implementation=impl))
+    jitted = jax.jit(functools.partial(pk.rms_norm, implementation=impl))
     check_rms_norm(x, residual, weight, jitted(x, weight, residual=residual))
 
 
 @pytest.mark.parametrize("impl", RMS_IMPLS)
 def test_rms_norm_runs_the_named_implementation(impl):
     x, _, weight = make_inputs(np.random.default_rng(11), 4, 16, gated=False)
-    fn = functools.partial(api.rms_norm, residual=x, implementation=impl)
+    fn = functools.partial(pk.rms_norm, residual=x, implementation=impl)
     assert pk.backend_for(fn, x, weight) == impl
     jaxpr = str(jax.make_jaxpr(fn)(x, weight))
     assert ("add_rms_norm" in jaxpr) == (impl == "triton")
@@ -221,7 +222,7 @@ def test_rms_norm_runs_the_named_implementation(impl):
 @pytest.mark.parametrize("impl", RMS_IMPLS)
 def test_rms_norm_empty_and_argument_errors(impl):
     x, _, weight = make_inputs(np.random.default_rng(12), 4, 16, gated=False)
-    norm = functools.partial(api.rms_norm, implementation=impl)
+    norm = functools.partial(pk.rms_norm, implementation=impl)
     y, total = norm(x[:0], weight, residual=x[:0])
     assert y.shape == total.shape == (0, 16)
     with pytest.raises(ValueError, match="residual"):
@@ -246,7 +247,7 @@ def test_rms_norm_empty_and_argument_errors(impl):
 def test_real_size(impl, Dm, group_size, norm_before_gate):
     rng = np.random.default_rng(8)
     x, z, weight = make_inputs(rng, 8192, Dm, dtype=jnp.bfloat16)
-    y = api.gated_rms_norm(
+    y = pk.gated_rms_norm(
         x, z, weight, group_size=group_size, norm_before_gate=norm_before_gate, implementation=impl
     )
     assert np.all(np.isfinite(as_f32(y)))
@@ -263,7 +264,7 @@ def test_real_size(impl, Dm, group_size, norm_before_gate):
 
 @pytest.mark.parametrize(("dim", "group_size"), [(8192, 1024), (2064, 258), (8192, 8192)])
 @pytest.mark.parametrize("gated", [True, False])
-def test_triton_kernel_lowers_for_cuda(dim, group_size, gated):
+def test_internal_triton_kernel_lowers_for_cuda(dim, group_size, gated):
     """The Triton kernel lowers for CUDA (interpret mode does not enforce Triton's rules)."""
 
     def fn(x, z, w):
@@ -274,7 +275,7 @@ def test_triton_kernel_lowers_for_cuda(dim, group_size, gated):
             group_size=group_size,
             eps=1e-5,
             norm_before_gate=False,
-            config=norm_triton.default_block_sizes(group_size),
+            config=norm_config.default_block_sizes(group_size),
         )
 
     text = lower_for_cuda(fn, spec((64, dim)), spec((64, dim)), spec((dim,)))
@@ -282,12 +283,12 @@ def test_triton_kernel_lowers_for_cuda(dim, group_size, gated):
 
 
 @pytest.mark.parametrize("rows", [1, 64])
-def test_add_rms_norm_kernel_lowers_for_cuda(rows):
+def test_internal_add_rms_norm_kernel_lowers_for_cuda(rows):
     """The add-and-norm kernel (one row: the one-row decode step's) lowers for CUDA."""
 
     def fn(x, residual, w):
         return norm_triton.rms_norm(
-            x, w, residual=residual, eps=1e-5, config=norm_triton.default_block_sizes(4096)
+            x, w, residual=residual, eps=1e-5, config=norm_config.default_block_sizes(4096)
         )
 
     text = lower_for_cuda(fn, spec((rows, 4096)), spec((rows, 4096)), spec((4096,)))

@@ -20,8 +20,9 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels.attention import api
-from pallas_kernels.attention import mosaic as attention_mosaic
+from pallas_kernels.attention import mosaic_config as attention_mosaic_config
 from pallas_kernels.attention import triton as attention_triton
+from pallas_kernels.attention import triton_config as attention_config
 from pallas_kernels.backend import supports_mosaic
 from pallas_kernels.testing import (
     assert_close,
@@ -46,7 +47,7 @@ WRITE_KV_IMPLS = ("triton", "xla")
 HQ, HKV, HEAD_DIM = 4, 2, 16
 # Small Triton tiles: 8-row Q tiles of the 2-head GQA group, 16-key KV blocks (a 32-key
 # page holds two of them), 16-key decode splits.
-TRITON_CONFIG = attention_triton.BlockSizes(block_q=8, block_k=16, split_k=16, decode_block_k=16)
+TRITON_CONFIG = attention_config.BlockSizes(block_q=8, block_k=16, split_k=16, decode_block_k=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,7 +430,7 @@ def test_paged_arguments_are_checked():
         call(
             **kwargs,
             implementation="triton",
-            config=attention_triton.BlockSizes(block_q=8, block_k=32, decode_block_k=16),
+            config=attention_config.BlockSizes(block_q=8, block_k=32, decode_block_k=16),
         )
     # Entries past the needed pages may hold anything; slot ids >= 0 may repeat.
     table = batch.block_table.copy()
@@ -516,7 +517,7 @@ def _paged_specs(T, Hq, Hkv, D, num_blocks, block_size, B, max_blocks, dtype=jnp
 
 
 @pytest.mark.parametrize(("T", "B"), [(512, 3), (8, 8)], ids=["prefill", "decode"])
-def test_paged_triton_kernels_lower_for_cuda(T, B):
+def test_internal_paged_triton_kernels_lower_for_cuda(T, B):
     """The paged Triton kernels (forward, and the backward kernels for prefill) lower for
     CUDA at real sizes with the default tiles (interpret mode does not check Triton's
     rules), page size 256."""
@@ -555,7 +556,7 @@ def test_paged_triton_kernels_lower_for_cuda(T, B):
 
 def _bamba_blocks(num_tokens, cache_len, page_size, dtype=jnp.bfloat16, num_sms=None):
     """The Triton attention's default tiles for Bamba-9B's heads (32 / 8, D = 128)."""
-    return attention_triton.default_block_sizes(
+    return attention_config.default_block_sizes(
         num_tokens=num_tokens,
         num_q_heads=32,
         num_kv_heads=8,
@@ -573,7 +574,7 @@ def test_paged_long_context_prefill_takes_wider_kv_steps():
     pages of 64 keys and fp32 keep 64-key steps (or fewer), and the dQ kernel keeps 64."""
     chunked = _bamba_blocks(4096, 32768, 256)
     assert (chunked.block_k, chunked.num_stages) == (128, 3)
-    backward = attention_triton.default_backward_block_sizes(
+    backward = attention_config.default_backward_block_sizes(
         chunked, group=4, head_dim=128, dtype=jnp.bfloat16, page_size=256
     )
     assert (backward.dq_block_k, backward.dkv_block_k) == (64, 128)
@@ -597,7 +598,7 @@ def test_decode_splits_give_one_program_per_sm():
 
 
 @pytest.mark.gpu
-def test_paged_triton_long_context_real_size():
+def test_internal_paged_triton_long_context_real_size():
     """Chunked prefill on a long paged context with the default tiles (128-key steps) at
     real size, bf16: the contiguous Triton kernel's output (64-key steps) and the xla
     path's, within bf16 tolerance; NaN past every sequence's keys is never read."""
@@ -636,7 +637,7 @@ def test_paged_triton_long_context_real_size():
 
 
 @pytest.mark.parametrize(("block_size", "block_k"), [(256, 128), (64, 64)])
-def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
+def test_internal_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
     """The Mosaic GPU backend with the page read from the block table lowers for Hopper on
     any machine (it runs only on a Hopper GPU): the forward kernel, and its gradient (the
     Mosaic dQ and dK/dV kernels reading pages); the default tiles fit the page."""
@@ -644,10 +645,11 @@ def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
     args = _paged_specs(T, Hq, Hkv, D, 40, block_size, B, 1024 // block_size)
     q, k_pool, _, qsl, _, _, table = args
     assert (
-        attention_mosaic.supports(q, k_pool, k_pool, query_start_loc=qsl, block_table=table) is None
+        attention_mosaic_config.supports(q, k_pool, k_pool, query_start_loc=qsl, block_table=table)
+        is None
     )
     small_pages = spec((40, 32, Hkv, D))
-    reason = attention_mosaic.supports(
+    reason = attention_mosaic_config.supports(
         q, small_pages, small_pages, query_start_loc=qsl, block_table=table
     )
     assert "block_size=32 is not a multiple of 64" in reason
@@ -679,6 +681,6 @@ def test_paged_mosaic_kernel_lowers_for_cuda(block_size, block_k):
     text = lower_for_cuda(backward, *args, q)
     assert text.count("custom_call @mosaic_gpu") == 3 and "attention_bwd_dq_bq" not in text
     with pytest.raises(ValueError, match="must divide the paged cache's block_size=64"):
-        attention_mosaic.check_block_sizes(
-            attention_mosaic.BlockSizes(block_k=128), num_q_heads=Hq, page_size=64
+        attention_mosaic_config.check_block_sizes(
+            attention_mosaic_config.BlockSizes(block_k=128), num_q_heads=Hq, page_size=64
         )

@@ -745,7 +745,7 @@ def test_mosaic_block_sizes_are_checked():
         ssd_mosaic_config.BlockSizes(heads_per_block=0)
 
 
-def test_chunk_decay_is_the_triton_state_scans():
+def test_internal_chunk_decay_is_the_triton_state_scans():
     """The Mosaic state scan's inputs (``triton.chunk_decay``, interpret mode): dt' and the
     within-chunk cumulative decay equal what the Triton state scan writes on every real
     chunk (chunks shortened by alignment, a chunk past the sequence's end, bias, softplus
@@ -782,7 +782,7 @@ def test_chunk_decay_is_the_triton_state_scans():
     assert_close(decay[:, :n], np.exp(np.minimum(end[..., 0], 0)), rtol=F32_TOL, name="decay")
 
 
-def test_mosaic_state_scan_steps_cover_each_chunk_once():
+def test_internal_mosaic_state_scan_steps_cover_each_chunk_once():
     """The Mosaic state scan's 128-row steps (chunk size 256): each sequence's steps walk
     its chunks in order and cover every row of each once, a chunk of 128 rows or fewer in
     one step (chunks shortened by alignment, at a sequence's start or end); a sequence
@@ -804,7 +804,7 @@ def test_mosaic_state_scan_steps_cover_each_chunk_once():
     assert count[3] == 0
 
 
-def test_mosaic_state_scan_steps_stay_inside_the_chunk_table():
+def test_internal_mosaic_state_scan_steps_stay_inside_the_chunk_table():
     """A sequence without chunks after the last real chunk has ``first == max_chunks``: its
     step count is 0 and no lookup of ``cu`` falls outside it (the kernel reads ``cu`` from
     device memory, where nothing would catch it)."""
@@ -830,7 +830,7 @@ def test_mosaic_state_scan_steps_stay_inside_the_chunk_table():
 
 
 @pytest.mark.parametrize("heads", [128, 8])
-def test_mosaic_state_scan_groups_partition_the_sequences(heads):
+def test_internal_mosaic_state_scan_groups_partition_the_sequences(heads):
     """The Mosaic state scan's blocks (chunk size 256): the leading positions of the windows
     split the sorted sequences into consecutive groups that cover each once; a sequence of a
     window's steps or more, and each sequence without chunks, is alone; a group of several

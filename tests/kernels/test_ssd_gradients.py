@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
 from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import api as ssd_api
@@ -99,7 +100,7 @@ def _inputs(seed: int, dtype=jnp.float32):
 
 def _scan(impl, metadata, *primals, **options):
     x, dt, A, B, C, D, z, dt_bias, initial_states = primals
-    return ssd_api.ssd_scan(
+    return pk.ssd_scan(
         x,
         dt,
         A,
@@ -284,7 +285,7 @@ def test_ssd_gradients_through_the_state_cache(impl):
     def grads(impl):
         def f(*args):
             x, dt, A, B, C, D, z, dt_bias = args
-            return ssd_api.ssd_scan(
+            return pk.ssd_scan(
                 x,
                 dt,
                 A,
@@ -375,7 +376,7 @@ def test_ssd_triton_bf16_gradients():
         assert_close(as_f32(g), as_f32(r), rtol=_bf16_tol(name), name=name)
 
 
-def test_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
+def test_internal_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
     """chunk_dbc programs summing one head each (2 splits per group, partial dB and dC
     summed outside), or walking the chunk in 16-column ∂W tiles (the masked diagonal tile,
     the full tiles before it and those after it) instead of the default's one 32-column
@@ -437,7 +438,7 @@ def test_ssd_triton_backward_runs_its_own_kernels():
     assert "dot_general" not in outside, outside
 
 
-def test_ssd_backward_kernels_lower_for_cuda():
+def test_internal_ssd_backward_kernels_lower_for_cuda():
     """The backward kernels lower for CUDA at real sizes with the heuristics' tiles
     (interpret mode does not enforce Triton's rules): G 1 with chunk 256 and a gate
     (mamba-ssm's problem), G 8 with chunk 128 and intermediate states, and a padded head
@@ -531,7 +532,7 @@ def test_gpu_ssd_gradients_real_size(groups, chunk_size):
     def grads(impl, primals, cotangents):
         def f(*args):
             x, dt, A, B, C, D, z, dt_bias, init = args
-            return ssd_api.ssd_scan(
+            return pk.ssd_scan(
                 x,
                 dt,
                 A,

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import chunk_metadata, max_chunks_for, selective_state_update, ssd_scan
 from pallas_kernels.state_update import api as state_update_api
-from pallas_kernels.state_update import triton as state_update_triton
+from pallas_kernels.state_update import triton_config as state_update_config
 from pallas_kernels.testing import (
     assert_close,
     assert_close_per_row,
@@ -108,7 +108,7 @@ def test_heads_per_program(block_h, num_stages, unroll_heads, d_shape):
         options["D"] = options["D"][:, 0]
     slots = [3, -1, 0, 5, 2]
     arrays["state_cache"] = poison_slots(arrays["state_cache"], slots)
-    config = state_update_triton.BlockSizes(
+    config = state_update_config.BlockSizes(
         block_p=2, block_h=block_h, num_warps=4, num_stages=num_stages, unroll_heads=unroll_heads
     )
     y, cache = call("triton", arrays, slots, config=config, **options)

@@ -5,10 +5,10 @@ with ``with_lse``) and ``delta = rowsum(dO ∘ O)``, and follow FlashAttention-2
 (Dao, arXiv 2307.08691, Algorithm 2) on FlashAttention-3's thread block (Shah et al.,
 arXiv 2407.08608): a producer warpgroup streams tiles into a ring of shared-memory slots
 with TMA, two consumer warpgroups run the products on the tensor cores with their fp32
-accumulators in registers. ``triton.attention_backward`` calls them (``dq_kernel``,
+accumulators in registers. ``triton_vjp.attention_backward`` calls them (``dq_kernel``,
 ``dkv_kernel``).
 
-**dK, dV** (``attention_bwd_dkv``): a thread block owns ``_CONSUMERS * _BLOCK_K`` keys of
+**dK, dV** (``attention_bwd_dkv``): a thread block owns ``CONSUMERS * _BLOCK_K`` keys of
 one cache line and one KV head; each consumer holds ``_BLOCK_K`` keys and values in shared
 memory, and the producer streams, for every query head of the GQA group, the Q and dO
 tiles of the rows whose band meets the keys, with their ``lse`` and ``delta``. Per tile::
@@ -21,8 +21,8 @@ tiles of the rows whose band meets the keys, with their ``lse`` and ``delta``. P
 registers, and dK, dV come out summed over the group's heads with no second pass. Only
 the tiles on the band's edges, at ``kv_len`` and at the row range's ends are masked.
 
-**dQ** (``attention_bwd_dq``): the forward's items and KV ring (:func:`mosaic.plan`,
-:func:`mosaic.produce_kv_ring`); each consumer holds its 64 rows' Q, dO, ``lse`` and
+**dQ** (``attention_bwd_dq``): the forward's items and KV ring (:func:`mosaic_common.plan`,
+:func:`mosaic_common.produce_kv_ring`); each consumer holds its 64 rows' Q, dO, ``lse`` and
 ``delta`` and accumulates ``dQ += dS K`` over the forward's KV blocks, masked as the
 forward masks them.
 
@@ -58,17 +58,17 @@ from pallas_kernels._mosaic import (
     store_rows,
     swizzled_tiles,
 )
-from pallas_kernels.attention import mosaic
+from pallas_kernels.attention import mosaic_common
 from pallas_kernels.attention._layout import backward_scale_operand, band_operand
+from pallas_kernels.attention.mosaic_common import CONSUMERS
 
-# Consumer warpgroups per thread block, each holding _BLOCK_K keys (the wgmma M dimension
-# of the dK and dV products).
-_CONSUMERS: Final = 2
+# Keys of each of the CONSUMERS consumer warpgroups of a dK/dV thread block (the wgmma M
+# dimension of the dK and dV products).
 _BLOCK_K: Final = 64
 # Query rows per step (the N dimension of Sᵀ and dPᵀ, the K dimension of dV and dK).
 _BLOCK_Q: Final = 64
 _STAGES: Final = 2  # Q/dO/lse/delta slots in the ring
-_KEYS_PER_BLOCK: Final = _CONSUMERS * _BLOCK_K
+_KEYS_PER_BLOCK: Final = CONSUMERS * _BLOCK_K
 
 
 @jax.tree_util.register_dataclass
@@ -177,7 +177,7 @@ def _dkv_kernel(
             g = lax.div(s, jnp.maximum(num_tiles, 1))
             return h * group + g, row_base + (s - g * num_tiles) * _BLOCK_Q
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
@@ -195,7 +195,7 @@ def _dkv_kernel(
 
             produce_ring(load, num_steps, free, num_stages=_STAGES)
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
@@ -301,19 +301,19 @@ def _dkv_kernel(
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((_CONSUMERS, _BLOCK_K, head_dim), dtype, transforms=tiles),
-        plgpu.SMEM((_CONSUMERS, _BLOCK_K, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((CONSUMERS, _BLOCK_K, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((CONSUMERS, _BLOCK_K, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((_STAGES, _BLOCK_Q, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((_STAGES, _BLOCK_Q, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((_STAGES, _BLOCK_Q), jnp.float32),
         plgpu.SMEM((_STAGES, _BLOCK_Q), jnp.float32),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
         plgpu.Barrier(num_barriers=_STAGES),
         plgpu.Barrier(num_barriers=_STAGES),
         plgpu.Barrier(num_barriers=_STAGES),
         plgpu.Barrier(num_barriers=_STAGES),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=_STAGES),
         collective_axes="wg",
     )
 
@@ -338,7 +338,7 @@ def dkv_gradients(
     contiguous, ``[S, L, Hkv, D]`` like the caches; paged, per-sequence lines
     ``[B, max_blocks * page_size, Hkv, D]`` (the Triton dK/dV kernel's layouts). Keys no
     row sees get 0. The call must be one the Mosaic forward supports
-    (``mosaic.supports``)."""
+    (``mosaic_config.supports``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
     num_lines = num_slots
@@ -363,7 +363,7 @@ def dkv_gradients(
     line = jax.ShapeDtypeStruct(line_shape, k_cache.dtype)
     scales = backward_scale_operand(sm_scale)
 
-    def attention_bwd_dkv(*refs):  # named: the profiles show the kernel by this name
+    def attention_bwd_dkv(*refs):
         _dkv_kernel(*refs, group=num_q_heads // num_kv_heads)
 
     kernel = plgpu.kernel(
@@ -372,8 +372,12 @@ def dkv_gradients(
         # The last axis varies fastest: every KV head of the busiest items first.
         grid=(key_blocks * num_lines, num_kv_heads),
         grid_names=("item", "head"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
+        kernel_name=(
+            f"attention_bwd_dkv_mosaic_bq{_BLOCK_Q}_bk{_BLOCK_K}_g{num_q_heads // num_kv_heads}"
+            f"_d{head_dim}{'' if block_table is None else f'_paged{k_cache.shape[1]}'}"
+        ),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
@@ -398,7 +402,7 @@ def dkv_gradients(
 
 
 def _dq_kernel(
-    plan: mosaic.Plan,  # the forward's plan, built with block_q = _BLOCK_Q, block_k = _BLOCK_K
+    plan: mosaic_common.Plan,  # the forward's, built with block_q=_BLOCK_Q, block_k=_BLOCK_K
     scale_ref,  # [2] fp32: (sm_scale * log2(e), sm_scale)
     band_ref,  # [2] int32: (left, right)
     q_ref,  # [T, Hq, D]
@@ -424,10 +428,10 @@ def _dq_kernel(
         kv_head = head // group
         kv_lo, kv_hi = plan.kv_lo[item], plan.kv_hi[item]
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            mosaic.produce_kv_ring(
+            mosaic_common.produce_kv_ring(
                 plan,
                 item,
                 (k_ref, v_ref),
@@ -438,11 +442,11 @@ def _dq_kernel(
                 block_k=_BLOCK_K,
             )
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             c = wg
-            work = mosaic.ConsumerWork.of(plan, item, c, _BLOCK_Q)
+            work = mosaic_common.ConsumerWork.of(plan, item, c, _BLOCK_Q)
             row0, pos0, first, live = work.row0, work.pos0, work.first, work.live
             lo_blk, mid_lo, mid_hi, hi_blk = work.lo_blk, work.mid_lo, work.mid_hi, work.hi_blk
             kv_len = plan.kv_len[item]
@@ -541,21 +545,21 @@ def _dq_kernel(
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((_CONSUMERS, _BLOCK_Q, head_dim), dtype, transforms=tiles),
-        plgpu.SMEM((_CONSUMERS, _BLOCK_Q, head_dim), dtype, transforms=tiles),
-        plgpu.SMEM((_CONSUMERS, _BLOCK_Q, head_dim), dtype),
-        plgpu.SMEM((_CONSUMERS, _BLOCK_Q), jnp.float32),
-        plgpu.SMEM((_CONSUMERS, _BLOCK_Q), jnp.float32),
+        plgpu.SMEM((CONSUMERS, _BLOCK_Q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((CONSUMERS, _BLOCK_Q, head_dim), dtype, transforms=tiles),
+        plgpu.SMEM((CONSUMERS, _BLOCK_Q, head_dim), dtype),
+        plgpu.SMEM((CONSUMERS, _BLOCK_Q), jnp.float32),
+        plgpu.SMEM((CONSUMERS, _BLOCK_Q), jnp.float32),
         plgpu.SMEM((_STAGES, _BLOCK_K, head_dim), dtype, transforms=tiles),
         plgpu.SMEM((_STAGES, _BLOCK_K, head_dim), dtype, transforms=tiles),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
-        plgpu.Barrier(num_barriers=_CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
         plgpu.Barrier(num_barriers=_STAGES),
         plgpu.Barrier(num_barriers=_STAGES),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
-        plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=_STAGES),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=_STAGES),
         collective_axes="wg",
     )
 
@@ -577,17 +581,17 @@ def dq_gradient(
     sliding_window: int | jax.Array | None,
 ) -> jax.Array:
     """``dq[T, Hq, D]`` from ``dout[T, Hq, D]``, ``lse[T, Hq]`` and ``delta[T, Hq]`` fp32,
-    on the forward's items (:func:`mosaic.plan`): each consumer holds its 64 query rows'
+    on the forward's items (:func:`mosaic_common.plan`): each consumer holds its 64 query rows'
     Q, dO, lse and delta and walks the forward's KV blocks, ``dQ += dS K`` with ``P`` and
     ``dS`` recomputed. Rows of padding sequences and past the sequences get 0. The call
-    must be one the Mosaic forward supports (``mosaic.supports``)."""
+    must be one the Mosaic forward supports (``mosaic_config.supports``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, cache_len, num_kv_heads = k_cache.shape[:3]
     if block_table is not None:
         cache_len *= block_table.shape[1]
         block_table = block_table.astype(jnp.int32)
     band = band_operand(causal, sliding_window)
-    item_plan = mosaic.plan(
+    item_plan = mosaic_common.plan(
         query_start_loc,
         kv_lens,
         slot_ids,
@@ -601,7 +605,7 @@ def dq_gradient(
     )
     scales = backward_scale_operand(sm_scale)
 
-    def attention_bwd_dq(*refs):  # named: the profiles show the kernel by this name
+    def attention_bwd_dq(*refs):
         _dq_kernel(*refs, group=num_q_heads // num_kv_heads)
 
     kernel = plgpu.kernel(
@@ -611,8 +615,12 @@ def dq_gradient(
         # adjacent) side by side, items longest first.
         grid=(item_plan.num_items, num_q_heads),
         grid_names=("item", "head"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
+        kernel_name=(
+            f"attention_bwd_dq_mosaic_bq{_BLOCK_Q}_bk{_BLOCK_K}_g{num_q_heads // num_kv_heads}"
+            f"_d{head_dim}{'' if block_table is None else f'_paged{k_cache.shape[1]}'}"
+        ),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
