@@ -341,7 +341,8 @@ def _wide_float_reason(call: Call) -> str | None:
 
 
 def _qualified_name(cls: type | None) -> str:
-    """``pallas_kernels.ssd.triton.BlockSizes``: every backend's config is a ``BlockSizes``."""
+    """``pallas_kernels.ssd.triton_config.BlockSizes``: every backend's config is a
+    ``BlockSizes``."""
     return "none" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
 
 
