@@ -199,20 +199,27 @@ def _rename(name: str, rules: list[_Rule], *, to_hf: bool, prefix: bool, **slots
     return None, None
 
 
-def hf_to_module_path(family: str, name: str, tensor: np.ndarray) -> tuple[str, np.ndarray] | None:
-    """The module path and value one HF tensor fills, or None when no rule matches."""
+def _to_module(family: str, name: str) -> tuple[str, _Rule] | tuple[None, None]:
+    """The module path an HF tensor name fills and the parameter rule that names it."""
     name, _ = _rename(name, _RENAMES[family] + _COMMON_RENAMES, to_hf=False, prefix=True)
     if name is None:
-        return None
-    path, rule = _rename(name, _PARAMS, to_hf=False, prefix=False)
+        return None, None
+    return _rename(name, _PARAMS, to_hf=False, prefix=False)
+
+
+def hf_to_module_path(family: str, name: str, tensor: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """The module path and value one HF tensor fills, or None when no rule matches."""
+    path, rule = _to_module(family, name)
     return None if path is None else (path, rule.transform.load(tensor))
 
 
-def module_path_to_hf(cfg: HybridConfig, path: str, value: np.ndarray) -> tuple[str, np.ndarray]:
-    """The inverse of :func:`hf_to_module_path`: the HF name and tensor of the parameter at
-    module ``path`` (single-device layout), in the name and layout the family's checkpoints
-    use, before gate/up and per-expert splitting (:func:`_split_for_hf`). ``ValueError``
-    when no rule names it."""
+def hf_name_to_module_path(family: str, name: str) -> str | None:
+    """The module path an HF tensor name fills (:func:`hf_to_module_path` without a
+    tensor), or None when no rule matches."""
+    return _to_module(family, name)[0]
+
+
+def _to_hf(cfg: HybridConfig, path: str) -> tuple[str, _Rule]:
     family = cfg.family
 
     def saved(rule: _Rule, name: str) -> bool:
@@ -229,8 +236,23 @@ def module_path_to_hf(cfg: HybridConfig, path: str, value: np.ndarray) -> tuple[
         renames = [r for r in _RENAMES[family] + _COMMON_RENAMES if saved(r, name)]
         hf, _ = _rename(name, renames, to_hf=True, prefix=True, root=_ROOTS.get(family, "model"))
         if hf is not None:
-            return hf, rule.transform.save(value)
-    raise ValueError(f"no {family} checkpoint name for the parameter {path} {value.shape}")
+            return hf, rule
+    raise ValueError(f"no {family} checkpoint name for the parameter {path}")
+
+
+def module_path_to_hf(cfg: HybridConfig, path: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """The inverse of :func:`hf_to_module_path`: the HF name and tensor of the parameter at
+    module ``path`` (single-device layout), in the name and layout the family's checkpoints
+    use, before gate/up and per-expert splitting (:func:`_split_for_hf`). ``ValueError``
+    when no rule names it."""
+    name, rule = _to_hf(cfg, path)
+    return name, rule.transform.save(value)
+
+
+def module_path_to_hf_name(cfg: HybridConfig, path: str) -> str:
+    """The HF name of the parameter at module ``path`` (:func:`module_path_to_hf` without
+    a value)."""
+    return _to_hf(cfg, path)[0]
 
 
 # Hub checkpoints store Nemotron-H's routed experts one by one:
