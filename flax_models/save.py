@@ -274,7 +274,8 @@ def _time_step_limit(cfg: HybridConfig) -> list[float]:
 
 def _mamba_fields(cfg: HybridConfig) -> dict[str, Any]:
     """The Mamba2 fields of Bamba, GraniteMoeHybrid and Falcon-H1."""
-    return dict(
+    expand = _expand(cfg, required=cfg.family != "falcon_h1")
+    return (dict() if expand is None else dict(mamba_expand=expand)) | dict(
         mamba_n_heads=cfg.mamba_num_heads,
         mamba_d_head=cfg.mamba_head_dim,
         mamba_d_state=cfg.mamba_state_size,
@@ -283,15 +284,24 @@ def _mamba_fields(cfg: HybridConfig) -> dict[str, Any]:
         mamba_chunk_size=cfg.mamba_chunk_size,
         mamba_conv_bias=cfg.mamba_conv_bias,
         mamba_proj_bias=cfg.mamba_proj_bias,
-        mamba_expand=_expand(cfg),
         time_step_limit=_time_step_limit(cfg),
     )
 
 
-def _expand(cfg: HybridConfig) -> int | float:
-    """d_inner / hidden, an int where it is one (transformers derives widths from it)."""
-    expand = cfg.mamba_d_inner / cfg.hidden_size
-    return int(expand) if expand == int(expand) else expand
+def _expand(cfg: HybridConfig, *, required: bool = True) -> int | None:
+    """``d_inner / hidden_size``, which transformers' configs hold as an int (``expand``,
+    ``mamba_expand``; Mamba2, Bamba, Granite and Nemotron-H derive the mixer's width from
+    it). Not an integer: ``ValueError`` where it is required, None (left out) where the
+    family names the width itself (Falcon-H1's ``mamba_d_ssm``, Nemotron-H's heads × head_dim)."""
+    expand, rest = divmod(cfg.mamba_d_inner, cfg.hidden_size)
+    if rest == 0 and expand > 0:
+        return expand
+    if required:
+        raise ValueError(
+            f"a {cfg.family} config.json needs mamba_num_heads × mamba_head_dim = "
+            f"{cfg.mamba_d_inner} to be a multiple of hidden_size={cfg.hidden_size}"
+        )
+    return None
 
 
 def _attention_fields(cfg: HybridConfig) -> dict[str, Any]:
@@ -394,13 +404,15 @@ def _nemotron_h(cfg: HybridConfig) -> dict[str, Any]:
         chunk_size=cfg.mamba_chunk_size,
         use_conv_bias=cfg.mamba_conv_bias,
         use_bias=cfg.mamba_proj_bias,
-        expand=_expand(cfg),
         time_step_min=float(cfg.time_step_limit[0]),
         **_attention_fields(cfg),
         intermediate_size=cfg.intermediate_size,
         mlp_hidden_act="relu2",
         mlp_bias=cfg.mlp_bias,
     )
+    expand = _expand(cfg, required=False)  # unused: the width is heads × head_dim
+    if expand is not None:
+        config["expand"] = expand
     if cfg.time_step_limit[1] != math.inf:  # Nemotron-H has no upper dt clamp
         config["time_step_max"] = cfg.time_step_limit[1]  # reads back as inf: flagged
     if moe:
