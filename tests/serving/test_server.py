@@ -515,3 +515,26 @@ def test_metrics_after_requests(server):
     ):
         assert gauge + label in after, gauge
     assert after["flax_models:num_slots" + label] == SLOTS
+
+
+def test_online_benchmark_client(server):
+    """``benchmarks.serving --online``'s client against this server: Poisson arrivals, the
+    events of every request timed, its summary consistent."""
+    import asyncio
+    import math
+
+    from benchmarks import serving_online
+
+    prompts, outputs = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [4, 3, 5]
+    results, wall = asyncio.run(
+        serving_online.run_rate(server.url, MODEL, prompts, outputs, 50.0, api_key=API_KEY, seed=1)
+    )
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.tokens for r in results] == outputs
+    for r in results:
+        assert r.send < r.events[0] <= r.events[-1] <= r.end
+        assert r.ttft > 0 and r.tpot >= 0 and len(r.itl) == len(r.events) - 1
+    summary = serving_online.summarize(results, wall, 50.0)
+    assert summary["completed"] == 3 and summary["output_tokens"] == sum(outputs)
+    assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+    assert math.isclose(summary["output_tokens_per_s"], sum(outputs) / wall)
