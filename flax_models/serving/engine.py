@@ -447,7 +447,7 @@ class Engine:
         params = check_sampling(sampling, len(prompts))
         eos = check_eos_ids(eos_ids)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            self.scheduler.check_fits(i, prompt, p)
+            self.scheduler.check_fits(f"prompt {i}", prompt, p)
         sequences = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             seed = self.loop.draw_seed() if p.seed is None else p.seed
@@ -475,7 +475,7 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         (ids,) = check_prompts([prompt_token_ids], self.cfg.vocab_size)
         (params,) = check_sampling(sampling_params, 1)
-        self.scheduler.check_fits(0, ids, params)
+        self.scheduler.check_fits(f"request {request_id!r}", ids, params)
         request = RequestState(request_id, prompt, ids, params)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:

@@ -88,12 +88,12 @@ class Scheduler:
         self.blocks.release(slot)
         self.free_slots.append(slot)
 
-    def check_fits(self, index: int, prompt: list[int], params: SamplingParams) -> None:
-        """ValueError when request ``index`` can never run: more tokens than a slot holds,
-        or more KV pages than its slot group's pool."""
+    def check_fits(self, name: str, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError (naming the request: ``name``) when it can never run: more tokens
+        than a slot holds, or more KV pages than its slot group's pool."""
         if len(prompt) + params.max_new_tokens > self.builder.max_len:
             raise ValueError(
-                f"prompt {index}: {len(prompt)} tokens + {params.max_new_tokens} new "
+                f"{name}: {len(prompt)} tokens + {params.max_new_tokens} new "
                 f"exceed max_len={self.builder.max_len}"
             )
         pages = -(-(len(prompt) + params.max_new_tokens - 1) // self.block_size)
@@ -101,7 +101,7 @@ class Scheduler:
         if pages > pool:
             where = "" if self.builder.groups == 1 else f" / dp={self.builder.groups}"
             raise ValueError(
-                f"prompt {index}: {len(prompt)} tokens + {params.max_new_tokens} new need "
+                f"{name}: {len(prompt)} tokens + {params.max_new_tokens} new need "
                 f"{pages} KV pages of {self.block_size} tokens; num_kv_blocks="
                 f"{self.blocks.num_pages}{where}"
             )
