@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from pallas_kernels._common import search_sorted
 
 
 @jax.tree_util.register_dataclass
@@ -130,7 +129,7 @@ def make_forward_batch(
     if not 0 <= num_decode <= min(num_seqs, num_tokens):
         raise ValueError(f"{num_decode=} must be in [0, min(B={num_seqs}, T={num_tokens})]")
     token = jnp.arange(num_tokens)
-    seq = jnp.minimum(search_sorted(qsl[1:], token, side="right"), num_seqs - 1)
+    seq = jnp.minimum(pk.search_sorted(qsl[1:], token, side="right"), num_seqs - 1)
     live = token < qsl[-1]
     positions = jnp.where(live, computed[seq] + token - qsl[seq], 0).astype(jnp.int32)
     prefill_tokens, prefill_seqs = num_tokens - num_decode, num_seqs - num_decode
