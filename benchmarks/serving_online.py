@@ -1,8 +1,9 @@
 """Online serving benchmark: Poisson arrivals at several rates through the HTTP server.
 
-``python -m benchmarks.serving --online [--model DIR] [--url URL] [--rates R ...]
-[--requests N] [--serve-args "..."] [--out FILE] [--results-dir DIR] [--quick]`` (also
-``python -m benchmarks.serving_online ...``).
+``python -m benchmarks.serving_online [--model DIR] [--url URL] [--rates R ...]
+[--requests N] [--serve-args "..."] [--out FILE] [--results-dir DIR] [--quick]``: the
+online counterpart of ``benchmarks.serving``'s offline trace, written to the same results
+file.
 
 Like ``vllm bench serve``: an async HTTP client (httpx) sends streamed completions
 (``stream: true``, server-sent events) to ``/v1/completions`` of a server it starts itself
@@ -285,8 +286,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     own, rest = parser.parse_known_args(argv)
     args = harness.parse_args(
         rest, "online serving (Poisson arrivals through the HTTP server)", module="serving",
-        command=["--online", *argv],
+        command=argv,
     )  # fmt: skip
+    # The store's file is benchmarks.serving's (module "serving"); the command is this one.
+    command = shlex.join(["python", "-m", "benchmarks.serving_online", *argv])
+    args.output = dataclasses.replace(args.output, command=command)
     return argparse.Namespace(**vars(args), **vars(own))
 
 

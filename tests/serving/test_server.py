@@ -106,7 +106,7 @@ def _wait_ready(process: subprocess.Popen, url: str, log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Server:
+def server(tmp_path_factory, request) -> Server:
     tmp = tmp_path_factory.mktemp("server")
     port = _free_port()
     log = tmp / "server.log"
@@ -127,6 +127,8 @@ def server(tmp_path_factory) -> Server:
             command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
     try:
+        # The reference LLM compiles here while the server compiles there.
+        request.getfixturevalue("llm")
         _wait_ready(process, f"http://127.0.0.1:{port}", log)
         yield Server(process, port, log)
         # A signal stops it gracefully: exit status 0 (checked here, at the end).
@@ -143,7 +145,9 @@ def server(tmp_path_factory) -> Server:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(TEXT, implementation="xla", max_model_len=MAX_LEN, **ENGINE)
+    llm = LLM(TEXT, implementation="xla", max_model_len=MAX_LEN, **ENGINE)
+    llm.engine.warmup()  # (while the server compiles the same programs)
+    return llm
 
 
 def _generate(llm: LLM, prompts, **sampling):
