@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check pallas_kernels flax_models tests benchmarks tools notebooks
 
 test: $(STAMP) lint
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n 2 -m "not gpu" -p no:cacheprovider
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n 2 --dist loadgroup -m "not gpu" -p no:cacheprovider
 
 # On a GPU machine with JAX preinstalled (no network): see tools/gpu_check.sh.
 gpu-check:

@@ -214,7 +214,7 @@ def schedule(
         model = _tiny_model()
     engine = _ScheduleOnly(model, kv_block_size=block_size, **options)
     prompts = [[0] * n for n in lengths]
-    params = [SamplingParams(max_new_tokens=n) for n in outputs]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in outputs]
     for _ in engine.stream(prompts, params, progress=False):
         pass
     return collections.Counter(engine.step_buckets), engine.stats, len(engine.builder.buckets())
@@ -273,7 +273,7 @@ def serve(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> dict[
     stats_before = dict(engine.stats)
     buckets_before = collections.Counter(engine.step_buckets)
     compiles_before = engine.compile_count
-    params = [SamplingParams(max_new_tokens=n) for n in outputs]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in outputs]
     first = [0.0] * len(prompts)
     last = [0.0] * len(prompts)
     counts = [0] * len(prompts)
@@ -364,8 +364,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--online" in argv:  # requests through the HTTP server (benchmarks.serving_online)
+        from benchmarks import serving_online
+
+        return serving_online.main([a for a in argv if a != "--online"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    args = _parse(argv)
     quick = args.quick
     spec = TRACES["quick" if quick else "full"]
     name = "tiny" if quick else "bamba-9b"
