@@ -1,37 +1,28 @@
-"""Serving: the ``Engine`` facade over the scheduler and the step programs.
+"""Serving: the ``Engine`` facade over the scheduler, the request loop and the step programs.
 
 ``Engine(model)`` lays out slot-indexed caches for ``max_slots`` sequences of ``max_len``
-tokens and serves lists of token-id prompts: ``generate`` returns the new tokens of each,
-``stream`` yields them as they are drawn. Every argument and prompt is checked first
-(``serving.inputs``); then the loop below plans a step (``serving.scheduler``), launches
-it (``serving.runner``: one jitted program per bucket, the device sampler after it) and
-lands its tokens. A request's data flows::
+tokens and serves token-id prompts, offline (``generate``, ``stream``) or request by
+request (``add_request``, ``step``, ``abort_request``). Every argument and prompt is
+checked first (``serving.inputs``). A request's data flows::
 
-    prompts ─ inputs.check_prompts ─> SequenceState (serving.request), waiting
+    prompt ids ─ inputs ─> RequestState / SequenceState (serving.request), waiting
       Scheduler.schedule: admission (slot, prefix hit, page reservation)
                           ─> StepPlan (bucketed StepArrays, rows, sampling, restores/saves)
-      StepRunner.launch(plan) ─> LaunchedStep (tokens on the device)
-      Scheduler.land: stats, publish blocks, TokenEvents (serving.outputs) ─> the caller
+      StepRunner.launch(plan) ─> LaunchedStep (tokens, logprobs on the device)
+      Scheduler.land: stats, published blocks, TokenEvents
+      OutputProcessor: text, stop strings, logprobs ─> RequestOutput ─> the caller
 
-The loop runs one step ahead: step n + 1 is planned and launched (its decode rows fed from
-the device) before the host reads step n's tokens, so the host's work for a step hides
-behind the device's. Step n + 1 assumes every sequence of step n goes on; one that ends
-there has its row of step n + 1 discarded, which is harmless: its slot's states are never
-read again, and its KV pages are rewritten before they are read by whoever takes them next
-(steps run in launch order). Each request draws with its own key, ``fold_in(key(seed),
-index of the token among its generated tokens)``, so its tokens never depend on what it is
-batched with.
-
-Attention K/V live in a pool of pages (``kv_block_size`` tokens each) that per-slot block
-tables index (``serving.prefix_cache``); with ``prefix_caching=True`` a prompt starts after
-the longest run of full blocks computed before with the same tokens. On a mesh with a
-``"dp"`` axis the slots, page pool and snapshot pool are split into dp groups
-(``flax_models.sharding``); a step is still one program per bucket over the whole mesh.
+``serving.loop`` turns this one step ahead (step n + 1 launched before step n's tokens are
+read). Attention K/V live in a pool of pages that per-slot block tables index
+(``serving.prefix_cache``); with ``prefix_caching=True`` a prompt starts after the longest
+run of full blocks computed before. On a mesh with a ``"dp"`` axis the slots and pools are
+split into dp groups (``flax_models.sharding``); a step is one program per bucket.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -46,11 +37,7 @@ from flax_models.serving.batching import BatchBuilder, StepArrays
 from flax_models.serving.inputs import check_buckets, check_eos_ids, check_prompts, check_sampling
 from flax_models.serving.loop import RequestLoop
 from flax_models.serving.output_processor import OutputProcessor
-from flax_models.serving.outputs import (
-    EventStream,
-    StepStats,
-    TokenEvent,
-)
+from flax_models.serving.outputs import EventStream, StepStats, TokenEvent, progress_bar
 from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager
 from flax_models.serving.request import RequestState
 from flax_models.serving.runner import StepRunner
@@ -59,6 +46,8 @@ from flax_models.serving.scheduler import Scheduler
 from flax_models.sharding import dp_size
 
 __all__ = ["DEFAULT_TOKEN_BUCKET_POLICY", "Engine", "TokenEvent"]
+
+logger = logging.getLogger(__name__)
 
 # The default token buckets' spacing (``pk.token_buckets``). Powers of √2 hold n prompt
 # tokens in at most max(16, ceil16(√2 n)) (~41% padding once n is in the hundreds; powers of
@@ -325,12 +314,17 @@ class Engine:
                 self._stats.count_step(arrays, time.perf_counter() - start)
         return logits
 
-    def warmup(self) -> int:
+    def warmup(self, *, progress: bool | None = None) -> int:
         """Compiles every program a generation can use: a step per bucket (greedy tokens
-        included) and the sampler's two per count of rows (all-padding steps change no
-        cache); returns the count."""
+        included), the sampler's two and the log-probabilities' per count of rows
+        (all-padding steps change no cache); returns the count. Logs a line per bucket
+        (``logging``, this module's logger); ``progress``: a bar on stderr (None: on a
+        terminal)."""
         warmed = set()
-        for num_decode, token_bucket in self.builder.buckets():
+        buckets = self.builder.buckets()
+        bar = progress_bar(len(buckets), enabled=progress, desc="warmup", unit="bucket")
+        for num_decode, token_bucket in buckets:
+            start, before = time.perf_counter(), self.compile_count
             arrays = self.builder.dummy(num_decode, token_bucket)
             logits, tokens, _ = self._launch(arrays)
             rows = arrays.slot_ids.shape[0]
@@ -338,6 +332,15 @@ class Engine:
                 warmed.add(rows)
                 tokens = self.runner.warm_sampler(logits, arrays.slot_ids)
             jax.block_until_ready(tokens)
+            logger.info(
+                "warmup: step of %d decode rows + %d prompt tokens: %d program(s) in %.2f s",
+                num_decode,
+                token_bucket,
+                self.compile_count - before,
+                time.perf_counter() - start,
+            )
+            bar.update(1)
+        bar.close()
         return self.compile_count
 
     # ------------------------------------------------------------------------ slots
@@ -361,13 +364,10 @@ class Engine:
 
     def use_prefix_cache(self, enabled: bool) -> None:
         """Switches lookups and publishing on or off (between generations) in an engine
-        built with ``prefix_caching=True``, on the same compiled programs (A/B
-        measurements of the lookups). Off, every prompt is computed whole and nothing is
-        published or saved, but the steps stay those of a caching engine: the Mamba prefill
-        still runs the snapshot path (the scan keeps every chunk's state, and the
-        snapshot gathers and scatters run, writing no entry), and the caches keep their
-        snapshot pools. So off is not an engine built without ``prefix_caching``, whose
-        prefill is the plain scan."""
+        built with ``prefix_caching=True``, on the same compiled programs (A/B runs). Off,
+        nothing is looked up, published or saved, but the steps stay a caching engine's
+        (the Mamba prefill still runs the snapshot path): not an engine built without
+        ``prefix_caching``."""
         if not self.prefix_caching:
             raise ValueError("use_prefix_cache needs an engine built with prefix_caching=True")
         self.clear_prefix_cache()

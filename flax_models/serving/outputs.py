@@ -101,14 +101,16 @@ class EventStream:
         self._events.close()
 
 
-def progress_bar(total: int, *, enabled: bool | None):
-    """A token progress bar (``tqdm``) on stderr for a generation of ``total`` tokens;
-    ``enabled=None`` shows it for long generations on a terminal (at least 256 tokens)."""
+def progress_bar(
+    total: int, *, enabled: bool | None, desc: str = "generate", unit: str = "tok"
+):
+    """A progress bar (``tqdm``) on stderr over ``total`` items; ``enabled=None`` shows it
+    for long generations on a terminal (at least 256 tokens; any warm-up)."""
     from tqdm.auto import tqdm  # imported on first use: `import flax_models` needs no tqdm
 
     if enabled is None:
-        enabled = total >= 256 and sys.stderr.isatty()
-    return tqdm(total=total, desc="generate", unit="tok", disable=not enabled, file=sys.stderr)
+        enabled = (total >= 256 or unit != "tok") and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr)
 
 
 class StepStats:
