@@ -8,10 +8,13 @@ the train step, evaluation, orbax checkpoints of a run.
   :func:`default_optimizer` (AdamW in fp32, with a :func:`warmup_cosine` schedule).
 - ``step``: :func:`train_step`. ``evaluate``: :func:`evaluate` (loss and perplexity).
 - ``checkpoints``: :func:`save_checkpoint` / :func:`restore_checkpoint` (orbax).
+- ``fsdp``: :func:`shard_fsdp` / :func:`shard_batch` (a mesh axis ``"fsdp"`` splits the
+  parameters, optimizer state and batch rows; composable with ``"tp"``).
 """
 
 from flax_models.training.checkpoints import restore_checkpoint, save_checkpoint
 from flax_models.training.evaluate import evaluate
+from flax_models.training.fsdp import FSDP, fsdp_spec, shard_batch, shard_fsdp
 from flax_models.training.losses import (
     IGNORE_INDEX,
     LossFn,
@@ -34,12 +37,14 @@ from flax_models.training.optimizer import (
 from flax_models.training.step import train_step
 
 __all__ = [
+    "FSDP",
     "IGNORE_INDEX",
     "LossFn",
     "PackedBatch",
     "default_optimizer",
     "evaluate",
     "fp32_state",
+    "fsdp_spec",
     "loss_fn",
     "make_optimizer",
     "next_token_cross_entropy",
@@ -51,6 +56,8 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
     "scored_targets",
+    "shard_batch",
+    "shard_fsdp",
     "train_step",
     "warmup_cosine",
 ]
