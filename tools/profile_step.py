@@ -32,9 +32,9 @@ from flax import nnx
 import pallas_kernels as pk
 from benchmarks import harness
 from benchmarks.model import MODELS, _mesh
-from flax_models.batching import Request
-from flax_models.engine import Engine
 from flax_models.model import HybridLM
+from flax_models.serving.batching import Request
+from flax_models.serving.engine import Engine
 from pallas_kernels.metadata import TOKEN_BUCKET_POLICIES
 
 

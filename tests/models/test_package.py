@@ -15,22 +15,25 @@ PYPROJECT = Path(__file__).parent.parent.parent / "pyproject.toml"
 
 
 def test_flax_models_reexports_its_public_api():
-    public = {
+    public = {  # DESIGN §9 "Imports"
         "HybridConfig",
         "HybridLM",
         "load_hf_checkpoint",
+        "save_hf_checkpoint",
         "Engine",
         "LLM",
         "SamplingParams",
-        "Completion",
+        "RequestOutput",
+        "CompletionOutput",
     }
     assert public <= set(flax_models.__all__)
     for name in flax_models.__all__:
         assert getattr(flax_models, name) is not None, name
-    assert flax_models.Engine.__module__ == "flax_models.engine"
+    assert flax_models.Engine.__module__ == "flax_models.serving.engine"
     assert flax_models.HybridLM.__module__ == "flax_models.model"
-    assert flax_models.LLM.__module__ == "flax_models.serving.llm"
+    assert flax_models.LLM.__module__ == "flax_models.serving.text"
     assert flax_models.SamplingParams.__module__ == "flax_models.serving.sampling"
+    assert flax_models.RequestOutput.__module__ == "flax_models.serving.outputs"
 
 
 def test_dependencies_cover_the_text_path():

@@ -276,7 +276,7 @@ def test_generate_rejects_prompts_before_any_step():
 def test_bad_top_k_is_rejected_before_any_step():
     engine = Engine(model(), max_slots=2, max_len=32)
     with pytest.raises(ValueError, match="top_k"):
-        engine.generate([[1, 2, 3]], 4, temperature=1.0, top_k=0)
+        engine.generate([[1, 2, 3]], 4, temperature=1.0, top_k=-2)  # -1 and 0 are "off"
     assert engine.compile_count == 0
 
 
