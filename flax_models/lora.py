@@ -20,8 +20,9 @@ Train the adapters alone with ``make_optimizer(model, tx, trainable=nnx.LoRAPara
 ``merge_lora`` folds them into the weights for serving; ``save_lora_adapter`` /
 ``load_lora_adapter`` write and read PEFT's adapter format (``adapter_config.json``,
 ``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight [r, in]`` /
-``lora_B.weight [out, r]``). Models on one device or replicated (no ``"tp"`` mesh axis):
-the tensor-parallel bodies read the weights directly and would skip the adapters.
+``lora_B.weight [out, r]``). Models built without a mesh (one device, or split for training
+by ``flax_models.training.fsdp``): the layers of a model built on a mesh run per-device
+copies of the plain projections and would skip the adapters.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from flax import nnx
 from flax_models.checkpoint import hf_name_to_module_path, module_path_to_hf_name
 from flax_models.layers.linear import Einsum, Linear
 from flax_models.model import HybridLM
-from flax_models.sharding import tp_size
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "mamba": ("in_proj", "out_proj"),
@@ -120,10 +120,11 @@ def _projections(model: HybridLM):
 
 
 def _check_mesh(model: HybridLM) -> None:
-    if tp_size(model.mesh) > 1:
+    if model.mesh is not None:
         raise NotImplementedError(
-            "LoRA on a tensor-parallel model: its tp bodies read the projection weights "
-            "directly; add the adapters to a model without a tp mesh axis"
+            "LoRA on a model built on a mesh: its sharded layers run per-device copies of "
+            "the plain projections (shard_call) and read their weights directly; add the "
+            "adapters to a model without a mesh (FSDP places it: flax_models.training.fsdp)"
         )
 
 

@@ -122,3 +122,10 @@ def test_targets_choose_the_projections():
     attention_free = HybridLM(HybridConfig.tiny(layer_pattern="MM"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no projection"):
         add_lora(attention_free, rank=2, alpha=2, targets="attention")
+
+
+def test_models_built_on_a_mesh_are_refused():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    model = nnx.eval_shape(lambda: HybridLM(HybridConfig.tiny(), rngs=nnx.Rngs(0), mesh=mesh))
+    with pytest.raises(NotImplementedError, match="mesh"):
+        add_lora(model, rank=2, alpha=2)
