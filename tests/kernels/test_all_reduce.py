@@ -11,7 +11,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from flax_models import sharding
 from flax_models.sharding import psum_tp
 from pallas_kernels.all_reduce import api, mosaic
 from pallas_kernels.backend import supports_mosaic
@@ -75,8 +74,9 @@ def test_model_all_reduces_ask_for_the_window_where_the_kernel_lowers(monkeypatc
     for (device ids row-major, tp the only axis of several devices) and psum on any
     other; one backend name goes as a one-name family."""
     asked = []
+    # flax_models.sharding calls pk.all_reduce: the public op is what it asks.
     monkeypatch.setattr(
-        sharding, "all_reduce", lambda x, axis, implementation: asked.append(implementation)
+        pk, "all_reduce", lambda x, axis, implementation: asked.append(implementation)
     )
     row_major = _mesh_like([0, 1], tp=2)
     cases = [
