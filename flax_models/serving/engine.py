@@ -41,7 +41,7 @@ from flax_models.serving.outputs import EventStream, StepStats, TokenEvent, prog
 from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager
 from flax_models.serving.request import RequestState
 from flax_models.serving.runner import StepRunner
-from flax_models.serving.sampling import SamplingParams, sampling_arrays
+from flax_models.serving.sampling import SEED_LIMIT, SamplingParams, sampling_arrays
 from flax_models.serving.scheduler import Scheduler
 from flax_models.sharding import dp_size
 
@@ -483,7 +483,7 @@ class Engine:
         first = self.loop.draw_seed() if params.seed is None else params.seed
         for i in range(params.n):
             # The i-th completion's seed follows from the first's.
-            seed = first if i == 0 else int(np.random.default_rng([first, i]).integers(2**32))
+            seed = first if i == 0 else int(np.random.default_rng([first, i]).integers(SEED_LIMIT))
             seq = self.loop.new_sequence(ids, params, stop_ids, seed)
             seq.request, seq.output_index = request, i
             request.sequences.append(seq)

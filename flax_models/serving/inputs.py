@@ -36,12 +36,17 @@ def check_buckets(
 
 
 def check_sampling(
-    sampling: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+    num_prompts: int,
+    *,
+    default: SamplingParams | None = None,
 ) -> list[SamplingParams]:
-    """One ``SamplingParams`` per prompt from one for all, one each, or None (greedy, 16
-    tokens: the engine's token-id API keeps its greedy default)."""
+    """One ``SamplingParams`` per prompt from one for all, one each, or None: ``default``,
+    else greedy, 16 tokens (the engine's token-id API keeps its greedy default)."""
     if sampling is None or isinstance(sampling, SamplingParams):
-        params = [sampling or SamplingParams(temperature=0.0, seed=0)] * num_prompts
+        if sampling is None:
+            sampling = default or SamplingParams(temperature=0.0, seed=0)
+        params = [sampling] * num_prompts
     else:
         params = list(sampling)
         if len(params) != num_prompts:

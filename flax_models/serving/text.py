@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.serving import chat as chat_lib
 from flax_models.serving.engine import Engine
+from flax_models.serving.inputs import check_sampling
 from flax_models.serving.outputs import RequestOutput
 from flax_models.serving.sampling import SamplingParams
 
@@ -273,15 +274,7 @@ class LLM:
     def _params(
         self, sampling: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
-        if sampling is None or isinstance(sampling, SamplingParams):
-            params = [sampling or SamplingParams()] * count
-        else:
-            params = list(sampling)
-            if len(params) != count:
-                raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params {i} is a {type(p).__name__}")
+        params = check_sampling(sampling, count, default=SamplingParams())
         return [p.with_defaults(self.generation_defaults) for p in params]
 
     # ------------------------------------------------------------------------ generation
