@@ -406,6 +406,8 @@ class Engine:
         prompts or ``max_new_tokens=0`` give empty results.
         """
         if sampling is None:
+            if max_new_tokens is not None:
+                max_new_tokens = pk.check_int("max_new_tokens", max_new_tokens, low=0)
             sampling = SamplingParams(
                 max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
                 temperature=temperature,
@@ -496,4 +498,3 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.loop.requests)
-

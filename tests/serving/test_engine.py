@@ -306,7 +306,7 @@ def test_internal_greedy_steps_launch_no_sampler(small_engine, monkeypatch):
     prompts = random_prompts(np.random.default_rng(8), model().cfg.vocab_size, (6, 3))
     greedy = small_engine.generate(prompts, 4)
     assert launched == []
-    mixed = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=1.0)]
+    mixed = [SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4)]
     outputs = small_engine.generate(prompts, sampling=mixed)
     assert launched and all(k["draws"] for k in launched)
     assert outputs[0] == greedy[0]  # the greedy row of a drawing step keeps its argmax
