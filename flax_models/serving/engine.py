@@ -22,7 +22,9 @@ split into dp groups (``flax_models.sharding``); a step is one program per bucke
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -314,33 +316,79 @@ class Engine:
                 self._stats.count_step(arrays, time.perf_counter() - start)
         return logits
 
-    def warmup(self, *, progress: bool | None = None) -> int:
+    def warmup(
+        self,
+        *,
+        buckets: Iterable[tuple[int, int]] | None = None,
+        progress: bool | None = None,
+        compile_workers: int | None = None,
+    ) -> int:
         """Compiles every program a generation can use: a step per bucket (greedy tokens
         included), the sampler's two and the log-probabilities' per count of rows
-        (all-padding steps change no cache); returns the count. Logs a line per bucket
+        (all-padding steps change no cache); returns ``compile_count``.
+
+        ``buckets``: the ``(decode bucket, token bucket)`` pairs to compile, a subset of
+        ``builder.buckets()`` (all of them when None), e.g. those a known workload uses.
+        The step programs are traced one after another and compiled in
+        ``compile_workers`` threads at once (XLA compiles outside the GIL; None: up to 8,
+        and no more than the CPU cores), then each runs once. Logs a line per program
         (``logging``, this module's logger); ``progress``: a bar on stderr (None: on a
         terminal)."""
+        grid = self.builder.buckets()
+        if buckets is None:
+            buckets = grid
+        else:
+            buckets = [tuple(b) for b in buckets]
+            outside = [b for b in buckets if b not in grid]
+            if outside:
+                raise ValueError(
+                    f"buckets {outside} are not (decode bucket, token bucket) pairs of this "
+                    f"engine (decode buckets {self.builder.decode_buckets}, token buckets "
+                    f"{self.builder.token_buckets}; 0 for none)"
+                )
+        if compile_workers is None:
+            compile_workers = max(1, min(8, os.cpu_count() or 1))
+        compile_workers = pk.check_int("compile_workers", compile_workers, low=1)
+        start, before = time.perf_counter(), self.compile_count
+        bar = progress_bar(len(buckets), enabled=progress, desc="compiling", unit="program")
+
+        def compile_step(bucket: tuple[int, int], lowered: jax.stages.Lowered) -> None:
+            began = time.perf_counter()
+            lowered.compile()
+            logger.info(
+                "warmup: compiled the step of %d decode rows + %d prompt tokens in %.2f s",
+                *bucket,
+                time.perf_counter() - began,
+            )
+            bar.update(1)
+
+        with concurrent.futures.ThreadPoolExecutor(compile_workers) as pool:
+            compiles = []
+            for bucket in buckets:
+                arrays = self.builder.dummy(*bucket)
+                lowered = self.runner.lower_step(arrays, *self.scheduler.direct_step_extras(arrays))
+                compiles.append(pool.submit(compile_step, bucket, lowered))
+            for done in compiles:
+                done.result()  # (a compile's error, raised here)
+        bar.close()
+        # Each step runs once (the executables compiled above) and the samplers compile for
+        # its row count.
         warmed = set()
-        buckets = self.builder.buckets()
-        bar = progress_bar(len(buckets), enabled=progress, desc="warmup", unit="bucket")
-        for num_decode, token_bucket in buckets:
-            start, before = time.perf_counter(), self.compile_count
-            arrays = self.builder.dummy(num_decode, token_bucket)
+        for bucket in buckets:
+            arrays = self.builder.dummy(*bucket)
             logits, tokens, _ = self._launch(arrays)
             rows = arrays.slot_ids.shape[0]
             if rows not in warmed:
                 warmed.add(rows)
                 tokens = self.runner.warm_sampler(logits, arrays.slot_ids)
             jax.block_until_ready(tokens)
-            logger.info(
-                "warmup: step of %d decode rows + %d prompt tokens: %d program(s) in %.2f s",
-                num_decode,
-                token_bucket,
-                self.compile_count - before,
-                time.perf_counter() - start,
-            )
-            bar.update(1)
-        bar.close()
+        logger.info(
+            "warmup: %d program(s) for %d step bucket(s) in %.1f s (%d compile threads)",
+            self.compile_count - before,
+            len(buckets),
+            time.perf_counter() - start,
+            compile_workers,
+        )
         return self.compile_count
 
     # ------------------------------------------------------------------------ slots

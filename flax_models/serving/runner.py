@@ -300,6 +300,18 @@ class StepRunner:
         )
         return args, dict(num_decode=arrays.num_decode)
 
+    def lower_step(
+        self,
+        arrays: StepArrays,
+        restore_ids: np.ndarray | None = None,
+        snapshots: StateSnapshots | None = None,
+    ) -> jax.stages.Lowered:
+        """The step program of ``arrays`` traced and lowered, not compiled: its
+        ``compile()`` (thread-safe, and releasing the GIL) leaves the executable where the
+        program's next call finds it."""
+        args, kwargs = self.step_arguments(arrays, restore_ids, snapshots)
+        return self.program(arrays).lower(*args, **kwargs)
+
     # ------------------------------------------------------------------------ launching
 
     def launch(

@@ -339,6 +339,22 @@ def test_eos_stops_a_sequence_early(small_engine):
     assert stopped == greedy[: greedy.index(greedy[2]) + 1]
 
 
+def test_warmup_compiles_the_buckets_asked_for():
+    """``warmup(buckets=...)`` compiles those steps (in threads) and their rows' samplers,
+    and the compiled executables are the ones the steps then run: nothing compiles again."""
+    engine = Engine(model(), max_slots=2, max_len=32, token_budget=8, decode_buckets=(2,))
+    with pytest.raises(ValueError, match="buckets"):
+        engine.warmup(buckets=[(3, 0)])
+    with backend_compiles() as compiled:
+        count = engine.warmup(buckets=[(2, 0), (0, 16)], compile_workers=2)
+    # Two steps, and for their row count (two rows each) two samplers and the logprobs'.
+    assert count == 2 + 3, compiled
+    assert compiled.count("jit(step_function)") == 2, compiled
+    with backend_compiles() as after:
+        engine.step(engine.builder.build([Request(0, [5], 3)], []))
+    assert after == []
+
+
 def test_no_program_decides_on_the_device(monkeypatch):
     """On a GPU the host waits for a lax.cond's predicate, so a step holding one could not
     be launched while the one before it runs: the engine's programs have none (whether
