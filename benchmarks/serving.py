@@ -41,6 +41,12 @@ attention skip them; a decode step's matmuls are bound by reading the weights), 
 prompt tokens cost what real ones do, so ``prefill_padding_fraction`` (token buckets
 alone) is given beside it.
 
+Start-up (``--startup``): the programs the trace uses (its step buckets, from the analysis
+below) compiled by ``Engine.warmup(buckets=...)`` in a fresh process, twice: first from an
+empty JAX persistent compilation cache (``startup.cold``), then with the cache that run
+filled (``startup.warm``, what a restarted server pays). Each probe reports the model's
+initialisation and the warm-up apart. The measured process then takes the filled cache.
+
 Bucket policy analysis (``bucket_analysis``, printed and stored as ``bucket_policies``;
 the JSON is written once it is done, so a run cut short keeps it): for pow2, sqrt2 and
 linear with steps 2048 and 1024 (and the run's own token buckets if none of those), the
@@ -68,8 +74,11 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -337,6 +346,62 @@ def _cost(model: HybridLM, steps: int, prompt_tokens: int, output_tokens: int, d
     return flops, float(bytes_moved)
 
 
+# ------------------------------------------------------------------------ start-up
+
+
+def _build(quick: bool, options: dict[str, Any]) -> tuple[HybridLM, Engine]:
+    """The benchmark's model (random init) and engine."""
+    cfg = HybridConfig.tiny() if quick else HybridConfig.bamba_9b()
+    dtype = jnp.float32 if quick else jnp.bfloat16
+    model = HybridLM(cfg, dtype=dtype, implementation="auto", rngs=nnx.Rngs(0))
+    return model, Engine(model, kv_block_size=cfg.mamba_chunk_size, **options)
+
+
+def _startup_probe(quick: bool, options: dict[str, Any], buckets: list[list[int]]) -> None:
+    """In a fresh process (``--startup-probe``): the model, the engine and the warm-up of
+    ``buckets``, timed apart; one ``STARTUP {json}`` line on stdout."""
+    start = time.perf_counter()
+    _, engine = _build(quick, options)
+    jax.block_until_ready(engine.runner.caches)
+    init_s = time.perf_counter() - start
+    start = time.perf_counter()
+    programs = engine.warmup(buckets=[tuple(b) for b in buckets], progress=False)
+    warmup_s = time.perf_counter() - start
+    print("STARTUP " + json.dumps(dict(init_s=init_s, warmup_s=warmup_s, programs=programs)))
+
+
+def startup(
+    argv: Sequence[str], buckets: list[list[int]], cache_dir: str, timeout_s: float = 1800
+) -> dict[str, Any]:
+    """Cold and warm start-up (module docstring): two probe processes on ``cache_dir``."""
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=cache_dir,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    probe = [
+        sys.executable,
+        "-m",
+        "benchmarks.serving",
+        *argv,
+        "--startup-probe",
+        json.dumps(buckets),
+    ]
+    result: dict[str, Any] = dict(cache_dir=cache_dir, step_buckets=len(buckets))
+    for stage in ("cold", "warm"):
+        done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode:
+            raise RuntimeError(f"start-up probe ({stage}) failed:\n{done.stderr[-4000:]}")
+        line = next(line for line in done.stdout.splitlines() if line.startswith("STARTUP "))
+        result[stage] = json.loads(line.removeprefix("STARTUP "))
+        print(
+            f"start-up ({stage} compilation cache): init {result[stage]['init_s']:.1f} s, "
+            f"warm-up {result[stage]['warmup_s']:.1f} s ({result[stage]['programs']} programs)",
+            flush=True,
+        )
+    return result
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """This module's options, then the harness's (``--out``, ``--quick``)."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -356,6 +421,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="ROWS",
         help="decode-row buckets (powers of two up to --max-slots by default)",
     )
+    parser.add_argument(
+        "--startup",
+        action="store_true",
+        help="measure cold and warm start-up (compilation cache) in fresh processes first",
+    )
+    parser.add_argument("--startup-probe", default=None, help=argparse.SUPPRESS)
     own, rest = parser.parse_known_args(argv)
     args = harness.parse_args(
         rest, "offline serving trace (TTFT, TPOT, throughput)", module="serving", command=argv
@@ -372,6 +443,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     args = _parse(argv)
     quick = args.quick
+    if args.startup:
+        # The probes run while this process holds the device: it takes memory as it goes.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # The probes' cache, and this process's unless it has one: set before its first
+        # compile (JAX opens its persistent cache then), it loads the probes' programs.
+        cache_dir = tempfile.mkdtemp(prefix="serving-compilation-cache-")
+        if jax.config.jax_compilation_cache_dir is None:
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     spec = TRACES["quick" if quick else "full"]
     name = "tiny" if quick else "bamba-9b"
     cfg = HybridConfig.tiny() if quick else HybridConfig.bamba_9b()
@@ -383,6 +463,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         max_slots=args.max_slots,
         decode_buckets=args.decode_buckets,
     )
+    if args.startup_probe is not None:
+        _startup_probe(quick, options, json.loads(args.startup_probe))
+        return []
     prompts, outputs = make_trace(cfg.vocab_size, spec)
     lengths = [len(p) for p in prompts]
     prompt_tokens, output_tokens = sum(lengths), sum(outputs)
@@ -416,11 +499,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     save(dict(problem=problem, implementation="auto", op="serving"), None)
     gc.collect()
 
-    # 2. The model, the warm-up run (compiles) and the measured run.
+    buckets = list(options["token_buckets"])
+    own = next((a for a in analysis if a["token_buckets"] == buckets), None)
+
+    # 2. Start-up, in fresh processes (before this one takes the device's memory).
+    if args.startup:
+        trace_buckets = [[d, t] for d, t, _ in own["step_buckets"]]
+        probe_argv = [a for a in argv if a != "--startup"]
+        serving.update(startup=startup(probe_argv, trace_buckets, cache_dir))
+        save(dict(problem=problem, implementation="auto", op="serving"), None)
+
+    # 3. The model, the warm-up run (compiles, or loads the start-up's programs) and the
+    # measured run.
     ceilings = harness.measure_ceilings(quick=quick)
     start = time.perf_counter()
-    model = HybridLM(cfg, dtype=dtype, implementation="auto", rngs=nnx.Rngs(0))
-    engine = Engine(model, kv_block_size=block_size, **options)
+    model, engine = _build(quick, options)
     init_s = time.perf_counter() - start
     warm = serve(engine, prompts, outputs)
     print(f"warm-up run: {warm['wall_s']:.1f} s, {warm['compiles']} programs", flush=True)
@@ -429,8 +522,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     steps = sum(run["step_buckets"].values())
     ttft_p50, ttft_p99 = _percentiles(run["ttft_s"])
     tpot_p50, tpot_p99 = _percentiles(run["tpot_s"])
-    buckets = list(options["token_buckets"])
-    own = next((a for a in analysis if a["token_buckets"] == buckets), None)
     figures = dict(
         wall_s=run["wall_s"],
         warmup_s=warm["wall_s"],

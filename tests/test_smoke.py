@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -114,10 +115,12 @@ def test_model_benchmark_keeps_rows_of_a_stopped_run(tmp_path, monkeypatch):
 
 
 def test_serving_benchmark_quick(tmp_path):
-    """The offline trace runs twice (the second compiles nothing), its schedule is the one
-    the host-side analysis predicted, and the JSON holds every request's times."""
+    """Start-up compiles the trace's programs in two fresh processes (the second loads
+    them from the compilation cache the first filled); the offline trace runs twice (the
+    second compiles nothing), its schedule is the one the host-side analysis predicted,
+    and the JSON holds every request's times."""
     out = tmp_path / "serving.json"
-    rows = serving_benchmark.main(["--quick", "--out", str(out)])
+    rows = serving_benchmark.main(["--quick", "--startup", "--out", str(out)])
     payload = json.loads(out.read_text())
     harness.check_schema(payload)
     (written,) = payload["rows"]
@@ -134,6 +137,10 @@ def test_serving_benchmark_quick(tmp_path):
     assert sum(r["output_len"] for r in requests) == row["decode_tokens"] + len(requests)
     assert all(r["ttft_s"] > 0 and r["tpot_s"] >= 0 for r in requests)
     assert {a["policy"] for a in serving["bucket_policies"]} >= {"pow2", "sqrt2"}
+    startup = serving["startup"]
+    assert startup["cold"]["programs"] == startup["warm"]["programs"] > startup["step_buckets"]
+    assert startup["step_buckets"] == row["programs"]
+    assert any(Path(startup["cache_dir"]).iterdir()), "the cold probe filled no cache"
     if importlib.util.find_spec("matplotlib") is not None:
         paths = plots.save_plots([plots.load(out)], tmp_path)
         assert {p.name for p in paths} >= {"serving_sqrt2_latency.png"}
