@@ -32,8 +32,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check pallas_kernels flax_models tests benchmarks tools notebooks
 
+# Whole files to a worker (--dist loadfile): a module's expensive fixtures (a server, a
+# multi-device subprocess, a shared LLM) are built once.
 test: $(STAMP) lint
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n 2 --dist loadgroup -m "not gpu" -p no:cacheprovider
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n 2 --dist loadfile -m "not gpu" -p no:cacheprovider
 
 # On a GPU machine with JAX preinstalled (no network): see tools/gpu_check.sh.
 gpu-check:

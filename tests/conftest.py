@@ -40,6 +40,17 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+    """Frees every compiled program after each test module. Each loaded XLA CPU executable
+    holds a few memory mappings, and a worker that compiled some ten thousand programs
+    reached the kernel's limit on them (``vm.max_map_count``, 65530 by default): the next
+    compile or cache write crashed the worker. Programs a later module needs again load
+    from the run's persistent cache."""
+    yield
+    jax.clear_caches()
+
+
 def pytest_unconfigure(config):
     directory = getattr(config, "compilation_cache_dir", None)
     if directory is not None:

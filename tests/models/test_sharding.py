@@ -35,9 +35,6 @@ from flax_models.sharding import (
 )
 from tests.helpers import REPO_ROOT, cpu_devices_env, fast_compile_env, run_python
 
-# The module's tests share one expensive fixture: one worker builds it once.
-pytestmark = pytest.mark.xdist_group("sharding_subprocess")
-
 # Fixture → the tp sizes it is checked at. Together they cover: split and copied B/C groups
 # (norm local, or its sum of squares all-reduced, normed before or after the gate), split
 # and copied KV heads, Falcon-H1's parallel mixer, softmax (fused gate|up) and sigmoid

@@ -90,7 +90,11 @@ _jitted_forward = nnx.jit(lambda m, ids: m(ids))
 def test_greedy_generation_is_the_argmax_of_the_forward(family):
     m = model(family)
     prompts = random_prompts(np.random.default_rng(0), m.cfg.vocab_size, (5, 23, 1, 12))
-    engine = Engine(m, max_slots=2, max_len=64, token_budget=16)  # two prompts wait
+    # Two prompts wait; one bucket of each kind (three step programs: the bucket choice is
+    # the scheduler's tests' job, the families' layers are this one's).
+    engine = Engine(
+        m, max_slots=2, max_len=64, token_budget=16, decode_buckets=(2,), token_buckets=(16,)
+    )
     generations = engine.generate(prompts, 6)
     assert [len(g) for g in generations] == [6] * len(prompts)
     assert generations == greedy_references(m, prompts, generations)

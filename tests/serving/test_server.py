@@ -40,10 +40,6 @@ from flax_models.serving.server.api_server import ParentWatchdog, _validation_er
 from flax_models.serving.server.metrics import Metrics  # noqa: E402
 from flax_models.serving.server.serving_engine import SSE_DONE, sse_event  # noqa: E402
 
-# One server for the module: under pytest-xdist's loadgroup scheduling its tests stay on
-# one worker (other schedulers may start one server per worker that runs some of them).
-pytestmark = pytest.mark.xdist_group("openai_server")
-
 TEXT = Path(__file__).parent.parent / "fixtures" / "text"
 API_KEY = "test-key"
 MODEL = "tiny-text"

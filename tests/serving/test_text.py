@@ -25,9 +25,6 @@ from flax_models.serving import cli as generate_cli  # noqa: E402
 from flax_models.serving.chat import render_chat  # noqa: E402
 from flax_models.serving.detokenize import IncrementalDetokenizer  # noqa: E402
 
-# The module's tests share one expensive fixture: one worker builds it once.
-pytestmark = pytest.mark.xdist_group("text_llm")
-
 TEXT = Path(__file__).parent.parent / "fixtures" / "text"
 UNICODE = "Café 😀 日本語 🚀★ naïve → ok"
 

@@ -11,9 +11,6 @@ import pytest
 
 from tests.helpers import cpu_devices_env, fast_compile_env, run_python
 
-# The module's tests share one expensive fixture: one worker builds it once.
-pytestmark = pytest.mark.xdist_group("fsdp_subprocess")
-
 _SCRIPT = r"""
 import json, tempfile
 import numpy as np, jax, optax, safetensors.numpy
