@@ -74,12 +74,15 @@ class RequestLoop:
         """Queues ``request``'s sequences (made with ``new_sequence``)."""
         self.output_processor.attach(request)
         self.requests[request.request_id] = request
+        if request.params.max_tokens == 0:
+            # Nothing to generate: finished at once, and reported by the next step.
+            for seq in request.sequences:
+                request.finish_reasons[seq.output_index] = "length"
+            self._advanced[request.request_id] = request
+            return
         for seq in request.sequences:
             self.sequences[seq.index] = seq
-            if request.params.max_tokens > 0:
-                self.waiting.append(seq)
-            else:
-                request.finish_reasons[seq.output_index] = "length"
+            self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

@@ -46,7 +46,11 @@ def test_requests_that_join_a_running_batch_get_their_greedy_tokens():
     engine.add_request("a", prompts[0], GREEDY)
     later = {2: [("b", prompts[1], GREEDY)], 3: [("c", prompts[2], GREEDY)]}
     later[5] = [("d", prompts[3], SamplingParams(temperature=0.0, max_tokens=3))]
+    # Nothing to generate: finished at the next step, taking no slot (it never ended before).
+    later[1] = [("z", prompts[1], SamplingParams(n=2, max_tokens=0))]
     outputs = run_to_end(engine, later)
+    assert outputs["z"].finished and [o.token_ids for o in outputs["z"].outputs] == [[], []]
+    assert {o.finish_reason for o in outputs["z"].outputs} == {"length"}
     tokens = [outputs[i].outputs[0].token_ids for i in "abcd"]
     assert [len(t) for t in tokens] == [5, 5, 5, 3]
     assert tokens == greedy_references(m, prompts, tokens)
