@@ -349,19 +349,19 @@ def _cost(model: HybridLM, steps: int, prompt_tokens: int, output_tokens: int, d
 # ------------------------------------------------------------------------ start-up
 
 
-def _build(quick: bool, options: dict[str, Any]) -> tuple[HybridLM, Engine]:
+def _build(cfg: HybridConfig, dtype: Any, options: dict[str, Any]) -> tuple[HybridLM, Engine]:
     """The benchmark's model (random init) and engine."""
-    cfg = HybridConfig.tiny() if quick else HybridConfig.bamba_9b()
-    dtype = jnp.float32 if quick else jnp.bfloat16
     model = HybridLM(cfg, dtype=dtype, implementation="auto", rngs=nnx.Rngs(0))
     return model, Engine(model, kv_block_size=cfg.mamba_chunk_size, **options)
 
 
-def _startup_probe(quick: bool, options: dict[str, Any], buckets: list[list[int]]) -> None:
+def _startup_probe(
+    cfg: HybridConfig, dtype: Any, options: dict[str, Any], buckets: list[list[int]]
+) -> None:
     """In a fresh process (``--startup-probe``): the model, the engine and the warm-up of
     ``buckets``, timed apart; one ``STARTUP {json}`` line on stdout."""
     start = time.perf_counter()
-    _, engine = _build(quick, options)
+    _, engine = _build(cfg, dtype, options)
     jax.block_until_ready(engine.runner.caches)
     init_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -464,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         decode_buckets=args.decode_buckets,
     )
     if args.startup_probe is not None:
-        _startup_probe(quick, options, json.loads(args.startup_probe))
+        _startup_probe(cfg, dtype, options, json.loads(args.startup_probe))
         return []
     prompts, outputs = make_trace(cfg.vocab_size, spec)
     lengths = [len(p) for p in prompts]
@@ -513,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     # measured run.
     ceilings = harness.measure_ceilings(quick=quick)
     start = time.perf_counter()
-    model, engine = _build(quick, options)
+    model, engine = _build(cfg, dtype, options)
     init_s = time.perf_counter() - start
     warm = serve(engine, prompts, outputs)
     print(f"warm-up run: {warm['wall_s']:.1f} s, {warm['compiles']} programs", flush=True)

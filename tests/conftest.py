@@ -7,18 +7,20 @@ import os
 import shutil
 import tempfile
 
+import jax
+import pytest
+from hypothesis import settings
+
+from tests.helpers import FAST_COMPILE_FLAG
+
 # The CPU suite is bound by XLA compiles of many small programs, most of whose time goes to
 # LLVM optimisation: off, a compile takes about half as long and the tiny programs run a
-# little slower. Set before JAX starts its backend; GPU runs are left as they are.
-_FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
-if os.environ.get("JAX_PLATFORMS") == "cpu" and _FAST_COMPILE_FLAG not in os.environ.get(
+# little slower. Set before JAX starts its backend (importing it starts none; the first
+# device query below does); GPU runs are left as they are.
+if os.environ.get("JAX_PLATFORMS") == "cpu" and FAST_COMPILE_FLAG not in os.environ.get(
     "XLA_FLAGS", ""
 ):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import settings  # noqa: E402
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
 
 jax.config.update("jax_enable_x64", False)
 

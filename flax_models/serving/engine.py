@@ -362,10 +362,10 @@ class Engine:
             )
             bar.update(1)
 
+        steps = [self.builder.dummy(*bucket) for bucket in buckets]
         with concurrent.futures.ThreadPoolExecutor(compile_workers) as pool:
             compiles = []
-            for bucket in buckets:
-                arrays = self.builder.dummy(*bucket)
+            for bucket, arrays in zip(buckets, steps, strict=True):
                 lowered = self.runner.lower_step(arrays, *self.scheduler.direct_step_extras(arrays))
                 compiles.append(pool.submit(compile_step, bucket, lowered))
             for done in compiles:
@@ -374,8 +374,7 @@ class Engine:
         # Each step runs once (the executables compiled above) and the samplers compile for
         # its row count.
         warmed = set()
-        for bucket in buckets:
-            arrays = self.builder.dummy(*bucket)
+        for arrays in steps:
             logits, tokens, _ = self._launch(arrays)
             rows = arrays.slot_ids.shape[0]
             if rows not in warmed:
@@ -454,8 +453,6 @@ class Engine:
         prompts or ``max_new_tokens=0`` give empty results.
         """
         if sampling is None:
-            if max_new_tokens is not None:
-                max_new_tokens = pk.check_int("max_new_tokens", max_new_tokens, low=0)
             sampling = SamplingParams(
                 max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
                 temperature=temperature,

@@ -114,7 +114,8 @@ class SamplingParams:
         if max_new_tokens is not _UNSET:
             if max_tokens is not _UNSET:
                 raise ValueError("give max_tokens or its alias max_new_tokens, not both")
-            max_tokens = max_new_tokens
+            # Checked under the name the caller gave.
+            max_tokens = pk.check_int("max_new_tokens", max_new_tokens, low=0)
         given = dict(
             n=n,
             temperature=temperature,
