@@ -8,7 +8,9 @@ sections (``--only`` takes names separated by commas or spaces; default all):
   gradients of x, dt, A, B, C, D and dt_bias) on mamba-ssm's training problem, 8 × 4096
   tokens (eight sequences packed), H 128, P 64, N 128, bf16, ``dt_softplus``: G 1 with
   chunks of 256 and G 8 with chunks of 128. Rows ``auto``, each other Pallas backend that
-  serves the call, ``xla``.
+  serves the call, ``xla``, and on a GPU the optional peer jax-linear-attention 0.1.0
+  (``pip install .[benchmarks]``; its Mosaic GPU ``simple_gla`` with the same dt and D
+  glue, :func:`_jla_ssd`) where it is installed.
 * ``attention``: ``masked_tail_attention`` causal prefill forward + backward (gradients of
   q, k_cache and v_cache), Hq 32, Hkv 8, D 128 (``benchmarks/attention.py``'s main problem),
   bf16, on 4 × 4096 (the shape of the cuDNN figure in shared/ANCHORS.md) and 8 × 4096
@@ -23,6 +25,9 @@ sections (``--only`` takes names separated by commas or spaces; default all):
   nominal dense bf16 peak (:data:`NOMINAL_BF16_TFLOPS`), the first step's time (compile
   included) and the process's peak device memory so far (``--only train`` for the step's
   own).
+
+* ``lora``: a LoRA fine-tuning step of the Bamba-9B shape (:func:`bench_lora`): rank-16
+  adapters on every projection, the bf16 base frozen, 8 × 4096 tokens.
 
 FLOPs count the model's own work, not recomputation: forward + backward is 3 × the forward
 work for the SSD scan (``benchmarks/ssd.py``'s count; the backward does about twice the
@@ -53,6 +58,7 @@ from flax import nnx
 from benchmarks import harness
 from benchmarks import ssd as ssd_benchmark
 from flax_models.config import HybridConfig
+from flax_models.lora import add_lora
 from flax_models.model import HybridLM
 from flax_models.training import make_optimizer, train_step
 from pallas_kernels import masked_tail_attention, ssd_scan
@@ -60,9 +66,11 @@ from pallas_kernels.attention import api as attention_api
 from pallas_kernels.backend import backend_for, on_gpu
 from pallas_kernels.ssd import api as ssd_api
 
-SECTIONS: Final = ("ssd", "attention", "train")
+SECTIONS: Final = ("ssd", "attention", "train", "lora")
 # NVIDIA H200 SXM datasheet: 989 TFLOP/s dense bf16 tensor-core peak (1979 with sparsity).
 NOMINAL_BF16_TFLOPS: Final = 989.0
+# The optional peer's row name (PyPI jax-linear-attention, pinned to this project's jax).
+JLA: Final = "jax-linear-attention"
 TITLE: Final = "training: kernels forward + backward, train step"
 # --remat: the train step's HybridLM(remat=). "dots" keeps the matmul outputs (about 1.4 GB
 # a layer here) and recomputes the rest; "none" keeps every activation.
@@ -216,6 +224,62 @@ def bench_ssd(p: ssd_benchmark.PrefillProblem, results: Results) -> None:
                 chunk_size=p.chunk_size,
             )
         )
+    peer = _jla_ssd(p, md)
+    if peer is None:
+        return
+    fwd_bwd = jax.jit(lambda args, dy: jax.vjp(peer, *args)[1](dy))
+    timing = _time_or_note(f"{p.name} {JLA}", lambda: fwd_bwd(args, dy))
+    if timing is not None:
+        results.add(
+            harness.row(
+                p.name,
+                JLA,
+                timing,
+                flops=flops,
+                bytes_moved=bytes_moved,
+                ceilings=results.ceilings,
+                op="ssd_scan forward + backward",
+                backend="mosaic_gpu (jax-linear-attention)",
+                tokens=sum(p.lengths),
+                groups=p.groups,
+                chunk_size=p.chunk_size,
+            )
+        )
+
+
+def _jla_ssd(p: ssd_benchmark.PrefillProblem, md) -> Callable[..., jax.Array] | None:
+    """The same scan through jax-linear-attention's Mosaic GPU ``simple_gla`` (the optional
+    peer; the ``benchmarks`` extra), or None where it is not installed or not on a GPU:
+    ``q = C``, ``k = B``, ``v = dt' x``, ``g = dt' A`` per token and head on the dense
+    ``[sequences, L, heads, dim]`` layout (every sequence of the problem is one length),
+    ``scale = 1``, with dt' = softplus(dt + dt_bias) and the D skip in ``jnp`` as the
+    project's scan computes them; ``jax.vjp`` differentiates all of it."""
+    try:
+        from jla.ops import linear_attention
+    except ImportError:
+        print(f"note: {p.name}: no {JLA} row (jax-linear-attention is not installed)")
+        return None
+    if not on_gpu() or len(set(p.lengths)) != 1:
+        print(f"note: {p.name}: no {JLA} row (needs a GPU and sequences of one length)")
+        return None
+    S, L = len(p.lengths), p.lengths[0]
+
+    def scan(x, dt, A, B, C, D, dt_bias):
+        dt_p = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)  # [T, H]
+        v = (x.astype(jnp.float32) * dt_p[..., None]).astype(x.dtype)
+        y, _ = linear_attention(
+            "simple_gla",
+            C.reshape(S, L, *C.shape[1:]),
+            B.reshape(S, L, *B.shape[1:]),
+            v.reshape(S, L, *v.shape[1:]),
+            g=(dt_p * A).reshape(S, L, -1),
+            scale=1.0,
+            impl="mosaic_gpu",  # its own chunks of 64: the only size its kernels take
+        )
+        y = y.reshape(x.shape).astype(jnp.float32) + D[:, None] * x.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    return scan
 
 
 # ------------------------------------------------------------------- masked_tail_attention
@@ -440,6 +504,78 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
         gc.collect()
 
 
+def bench_lora(args: argparse.Namespace, results: Results) -> None:
+    """A LoRA fine-tuning step of the Bamba-9B shape: bf16 base weights, frozen; rank-16
+    fp32 adapters on every Mamba, attention and MLP projection, trained alone (AdamW over
+    the ``nnx.LoRAParam`` only); 8 × 4096 tokens, ``remat="block"``. FLOPs: what the step
+    does, ``4 N T`` (forward and the activations' gradients; the frozen weights get none)
+    plus the adapters' ``6 N_lora T`` and the attention layers' full ``12 D Hq pairs``."""
+    if args.quick:
+        cfg, dtype, (batch, length) = HybridConfig.tiny(), jnp.float32, (2, 64)
+        name = "lora-tiny"
+    else:
+        cfg, dtype, (batch, length) = HybridConfig.bamba_9b(), jnp.bfloat16, (8, 4096)
+        name = "lora-bamba-9b"
+    rank = 16
+    ids = jax.random.randint(jax.random.key(6), (batch, length), 0, cfg.vocab_size, jnp.int32)
+    model = HybridLM(
+        cfg, dtype=dtype, implementation="auto", remat=REMAT[args.remat], rngs=nnx.Rngs(0)
+    )
+    cost = train_flops(cfg, model, batch, length)
+    add_lora(model, rank=rank, alpha=2.0 * rank, rngs=nnx.Rngs(1))
+    optimizer = make_optimizer(model, trainable=nnx.LoRAParam)
+    lora_params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    tokens = batch * length
+    dense = cost["flops"] - cost["attention_flops"]  # 6 N T
+    flops = 4.0 / 6.0 * dense + 6.0 * lora_params * tokens + cost["attention_flops"]
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(train_step(model, optimizer, ids))
+    except Exception as error:  # noqa: BLE001 — reported, the run goes on
+        reason = harness.failure_reason(error)
+        print(f"note: no {name} row ({type(error).__name__}: {reason})", flush=True)
+        return
+    first_step_s = time.perf_counter() - start
+    timing = _time_or_note(
+        name,
+        lambda m=model, o=optimizer: train_step(m, o, ids),
+        warmup=1,
+        samples=4,
+        min_sample_ms=0.0,
+    )
+    if timing is None:
+        return
+    seconds = timing.median_ms * 1e-3
+    achieved = flops / seconds / 1e12
+    results.add(
+        harness.row(
+            name,
+            "auto",
+            timing,
+            flops=flops,
+            bytes_moved=0.0,
+            ceilings=results.ceilings,
+            op="LoRA train step (forward, backward, AdamW on the adapters)",
+            tokens=tokens,
+            tokens_per_s=tokens / seconds,
+            mfu_measured=achieved / results.ceilings.matmul_tflops,
+            mfu_nominal=achieved / NOMINAL_BF16_TFLOPS,
+            nominal_tflops=NOMINAL_BF16_TFLOPS,
+            first_step_s=first_step_s,
+            peak_bytes=harness.peak_bytes(),
+            remat=args.remat,
+            dtype=jnp.dtype(dtype).name,
+            lora_rank=rank,
+            lora_params=float(lora_params),
+            params=cost["params"],
+            matmul_params=cost["matmul_params"],
+            attention_flops=cost["attention_flops"],
+        )
+    )
+    del model, optimizer
+    gc.collect()
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     sections = args.only or list(SECTIONS)
@@ -452,6 +588,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             bench_attention(p, results)
     if "train" in sections:
         bench_train(args, results)
+    if "lora" in sections:
+        bench_lora(args, results)
     harness.add_speedups(results.rows)
     harness.report(TITLE, results.rows, results.ceilings, args.output)
     for r in results.rows:
