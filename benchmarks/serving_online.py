@@ -20,6 +20,9 @@ token); TPOT = (last − first event) / (output tokens − 1). Per rate: TTFT, T
 p50/p99 (ms), output and total tokens/s and requests/s over the run's wall time (first
 send to last byte), and the achieved arrival rate.
 
+``--model bamba-9b``: the offline trace's model shape with random weights
+(:func:`dummy_model`: the server's ``--load-format dummy``) and its engine settings.
+
 ``--quick``: the tiny text fixture on the CPU (fixed buckets, three programs), 8 requests
 of the quick trace at rates 4 and inf. Results: one row per rate (``<model>/online-<N>/
 rate-<r>``, ``op: serving_online``) in the harness's schema, in the store's
@@ -55,6 +58,10 @@ QUICK_SERVE_ARGS = (
     "--token-buckets 16 --max-model-len 64 --no-access-log"
 )
 START_TIMEOUT_S = 1800.0
+# --model's shape name: the offline trace's model, random weights (dummy_model).
+DUMMY_SHAPE = "bamba-9b"
+DUMMY_DECODE_BUCKETS = (1, 4, 16, 64, 256)
+DUMMY_TOKEN_BUCKETS = (512, 1024, 2048, 4096, 8192)
 
 
 @dataclasses.dataclass
@@ -270,11 +277,50 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     return path
 
 
+def dummy_model(directory: Path) -> tuple[Path, list[str]]:
+    """A Bamba-9B-shaped "checkpoint" without weights, for ``--model bamba-9b``: its
+    ``config.json`` and a word-level ``tokenizer.json`` of the config's vocabulary (token
+    ``i`` is ``<i>``), served with ``--load-format dummy`` (random weights) and the offline
+    trace's engine settings (``benchmarks.serving.engine_options``) but coarser buckets,
+    :data:`DUMMY_DECODE_BUCKETS` × :data:`DUMMY_TOKEN_BUCKETS`: the server compiles every
+    pair at start-up (35 programs, not the offline grid's 189). Returns the directory and
+    those server options."""
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from benchmarks import serving
+    from flax_models.config import HybridConfig
+    from flax_models.save import hf_config_dict
+
+    cfg = HybridConfig.bamba_9b()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = hf_config_dict(cfg, dtype=jnp.bfloat16)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    vocab = {f"<{i}>": i for i in range(cfg.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    options = serving.engine_options(False)
+    serve_args = [
+        "--load-format", "dummy",
+        "--max-slots", str(options["max_slots"]),
+        "--max-model-len", str(options["max_len"]),
+        "--token-budget", str(options["token_budget"]),
+        "--decode-buckets", *map(str, DUMMY_DECODE_BUCKETS),
+        "--token-buckets", *map(str, DUMMY_TOKEN_BUCKETS),
+    ]  # fmt: skip
+    return directory, serve_args
+
+
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     from benchmarks import harness
 
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--model", default=None, help="checkpoint directory for the server")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory for the server, or bamba-9b (random weights, dummy_model)",
+    )
     parser.add_argument("--url", default=None, help="an already running server instead")
     parser.add_argument("--served-model-name", default=None, help="the model name requests give")
     parser.add_argument("--api-key", default=None)
@@ -306,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if model is None and args.url is None:
         raise SystemExit("--model DIR (a checkpoint for the server) or --url URL is needed")
     name = args.served_model_name or (Path(model).name if model else "model")
+    shape_args: list[str] = []
+    if model == DUMMY_SHAPE and args.url is None:
+        path, shape_args = dummy_model(Path(tempfile.mkdtemp(prefix="serving_online_model_")))
+        model = str(path)
     rates = args.rates or ([4.0, math.inf] if quick else [1.0, 4.0, 16.0, math.inf])
     count = args.requests or (8 if quick else 256)
     vocab = args.vocab_size
@@ -313,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts, outputs = serving.make_trace(vocab or 256, spec | dict(requests=count))
 
-    serve_args = shlex.split(args.serve_args or (QUICK_SERVE_ARGS if quick else ""))
+    serve_args = shape_args + shlex.split(args.serve_args or (QUICK_SERVE_ARGS if quick else ""))
     if args.url is None:
         serve_args += ["--served-model-name", name]
         if args.api_key:

@@ -66,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         implementation=args.implementation,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        load_format=args.load_format,
         **cli_args.engine_options(args),
     )
     logger.info(

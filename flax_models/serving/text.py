@@ -26,8 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from flax_models.checkpoint import load_hf_checkpoint
+from flax_models.config import HybridConfig
+from flax_models.model import HybridLM
 from flax_models.serving import chat as chat_lib
 from flax_models.serving.engine import Engine
 from flax_models.serving.inputs import check_sampling
@@ -53,6 +56,8 @@ _GENERATION_DEFAULTS = {
     "top_k": "top_k",
     "max_new_tokens": "max_tokens",
 }
+# How LLM gets its weights: from the safetensors, or random (vLLM's --load-format dummy).
+LOAD_FORMATS = ("auto", "dummy")
 # The KV cache an LLM may take by default: a share of the device's memory.
 _CACHE_MEMORY_FRACTION = 0.3
 
@@ -117,6 +122,9 @@ class LLM:
         ``max_position_embeddings``, capped so the KV pool takes at most a third of the
         device's memory (4096 for configs without one).
       seed: the seed of requests that give none.
+      load_format: ``"auto"`` reads the safetensors; ``"dummy"`` (vLLM's name) builds the
+        config's model with random weights instead, for benchmarks of shapes whose
+        weights are not at hand (``config.json`` and the tokenizer are still read).
       **engine_options: ``Engine``'s (``max_slots``, ``token_budget``, ...).
 
     Attributes:
@@ -136,9 +144,13 @@ class LLM:
         mesh=None,
         max_model_len: int | None = None,
         seed: int = 0,
+        load_format: str = "auto",
         **engine_options: Any,
     ):
         from tokenizers import Tokenizer
+
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
 
         directory = resolve_model(model)
         tokenizer_dir = directory if tokenizer is None else resolve_model(tokenizer)
@@ -154,12 +166,21 @@ class LLM:
             max_model_len = engine_options.pop("max_len")
         self.directory = directory
         config = _read_json(directory / "config.json")
-        self.model = load_hf_checkpoint(
-            directory,
-            dtype=resolve_dtype(dtype, config),
-            implementation=implementation,
-            mesh=mesh,
-        )
+        if load_format == "dummy":
+            self.model = HybridLM(
+                HybridConfig.from_hf(config),
+                dtype=resolve_dtype(dtype, config),
+                implementation=implementation,
+                mesh=mesh,
+                rngs=nnx.Rngs(seed),
+            )
+        else:
+            self.model = load_hf_checkpoint(
+                directory,
+                dtype=resolve_dtype(dtype, config),
+                implementation=implementation,
+                mesh=mesh,
+            )
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         tokenizer_config = _read_json(tokenizer_dir / "tokenizer_config.json")
         self._special_tokens = chat_lib.special_tokens(tokenizer_config)

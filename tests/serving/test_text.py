@@ -334,6 +334,27 @@ def test_a_directory_without_a_tokenizer_is_a_clear_error(tmp_path):
         LLM(TEXT, mesh=object())
 
 
+def test_load_format_dummy_builds_the_config_with_random_weights(tmp_path, llm):
+    # No safetensors in the directory: "dummy" needs none, "auto" does.
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(TEXT / name, tmp_path)
+    dummy = LLM(tmp_path, implementation="xla", load_format="dummy")
+    loaded = {k: np.asarray(v) for k, v in _flat_params(llm.model).items()}
+    drawn = {k: np.asarray(v) for k, v in _flat_params(dummy.model).items()}
+    assert drawn.keys() == loaded.keys()
+    assert all(drawn[k].shape == loaded[k].shape for k in drawn)
+    assert any(not np.array_equal(drawn[k], loaded[k]) for k in drawn)
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(TEXT, load_format="safetensors")
+
+
+def _flat_params(model) -> dict[str, object]:
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    return {".".join(map(str, path)): var[...] for path, var in nnx.to_flat_state(state)}
+
+
 # ---------------------------------------------------------------- the CLI
 
 

@@ -148,6 +148,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="reuse the KV pages and Mamba states of repeated prompt prefixes",
     )
     model.add_argument("--seed", type=int, default=0, help="the engine's seed (0)")
+    model.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),  # LLM(load_format=)
+        help="auto: the checkpoint's weights; dummy: random weights of its config (benchmarks)",
+    )
 
     cache = parser.add_argument_group("compilation")
     cache.add_argument(
