@@ -8,10 +8,10 @@
    longer than the token budget) and prints per-request tokens, prefill and decode
    tokens/s, the number of compiled programs, and the largest logit difference between the
    serving path (chunked prefill over the caches) and the plain ``xla`` forward.
-2. Text in, text out (``--text DIR``, by default the tiny fixture with a tokenizer in
-   ``tests/fixtures/text/``): ``LLM.generate`` on a batch of prompts with per-request
+2. Text in, text out (``--text DIR``, by default the shipped trained model,
+   ``flax_models/assets/kjv-bamba/``): ``LLM.generate`` on a batch of prompts with per-request
    sampling settings and a stop string, ``LLM.stream`` piece by piece, and ``LLM.chat``
-   through the directory's chat template.
+   through the directory's chat template where it has one.
 3. Runs a ragged batch through every kernel op and prints one row per op: shapes, relative
    and max absolute error against the float64 oracles of ``pallas_kernels.testing``, and
    the median time of the jitted call.
@@ -289,8 +289,8 @@ def model_demo(checkpoint: str | None, implementation: str, seed: int = 0) -> di
     )
 
 
-# The tiny checkpoint with a tokenizer, when run from a source checkout.
-TEXT_FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "text"
+# The shipped trained model (flax_models/assets/kjv-bamba/, tools/train_demo_model.py).
+DEMO_MODEL = Path(__file__).resolve().parent / "assets" / "kjv-bamba"
 
 
 def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
@@ -310,15 +310,16 @@ def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
     )
     shown = os.path.relpath(directory) if Path(directory).is_absolute() else directory
     say(
-        f"\ntext: {shown} (tokenizer of {llm.tokenizer.get_vocab_size()} tokens, eos ids "
-        f"{sorted(llm.eos_token_ids)}; a random model: expect gibberish)"
+        f"\ntext: {shown} ({llm.model.cfg.family}, pattern {llm.model.cfg.layer_pattern!r}, "
+        f"tokenizer of {llm.tokenizer.get_vocab_size()} tokens, eos ids "
+        f"{sorted(llm.eos_token_ids)})"
     )
-    prompts = ["Hello world", "The quick brown fox", "Café 😀 日本語", "Once upon a time"]
+    prompts = ["In the beginning", "And the LORD said unto Moses,", "Blessed are the", "Then"]
     sampling = [
-        SamplingParams(max_tokens=12, temperature=0.0),
-        SamplingParams(max_tokens=12, temperature=0.0, stop=["xo"]),
-        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1),
-        SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=2),
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.0, stop=[" into"]),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=2),
     ]
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     for prompt, params, output in zip(prompts, sampling, outputs, strict=True):
@@ -334,8 +335,10 @@ def text_demo(directory: str | Path, implementation: str = "auto") -> list[str]:
             f"  generate {prompt!r} ({settings}) -> {completion.text!r} "
             f"[{completion.finish_reason}, {len(completion.token_ids)} tokens]"
         )
-    pieces = list(llm.stream("Hello world", sampling[2]))
-    say(f"  stream 'Hello world' -> {pieces}")
+    pieces = list(llm.stream("And God said,", sampling[2]))
+    say(f"  stream 'And God said,' -> {pieces}")
+    if llm.chat_template is None:  # the shipped model is a plain language model
+        return lines
     messages = [{"role": "user", "content": "Hi! Tell me a story."}]
     params = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
     reply = llm.chat(messages, params, use_tqdm=False)[0]
@@ -349,8 +352,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="a Hugging Face model directory")
     parser.add_argument(
         "--text",
-        default=str(TEXT_FIXTURE) if TEXT_FIXTURE.is_dir() else None,
-        help="a Hugging Face directory with tokenizer.json (default: the tiny text fixture)",
+        default=str(DEMO_MODEL),
+        help="a Hugging Face directory with tokenizer.json (default: the shipped KJV model)",
     )
     parser.add_argument(
         "--implementation", default="auto", choices=["auto", "xla", "triton", "mosaic"]

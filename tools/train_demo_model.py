@@ -289,11 +289,13 @@ def train(
     steps: int,
     seed: int,
     max_train_seconds: float,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
     """``steps`` optimizer steps over ``train_batches`` (packed ``tokens[R·L],
     query_start_loc[D+1], labels[R·L]``; their order reshuffled every epoch); returns the
     curve, held-out evaluations, tokens seen and timings. Stops early past
-    ``max_train_seconds`` of training."""
+    ``max_train_seconds`` of training, or after ``stop_after`` steps (the schedule still
+    the one of ``steps``: a run cut short, reproducibly)."""
     loss = packed_loss(budget.seq_len)
     tx = default_optimizer(
         budget.learning_rate,
@@ -346,6 +348,10 @@ def train(
             if elapsed > max_train_seconds and step < steps:
                 print(f"stopping: {elapsed:.0f} s passed --max-train-seconds={max_train_seconds}")
                 stopped_early = True
+        if stop_after is not None and step == stop_after and step < steps:
+            flush()
+            print(f"stopping after step {step} (--stop-after)")
+            stopped_early = True
         if step % budget.eval_every == 0 or step == steps or stopped_early:
             held_out(step)
         if stopped_early:
@@ -368,7 +374,10 @@ def train(
 
 
 def check_logprobs(
-    directory: Path, held_out_ids: Sequence[Sequence[int]], budget: Budget
+    directory: Path,
+    held_out_ids: Sequence[Sequence[int]],
+    budget: Budget,
+    implementation: str = "auto",
 ) -> dict[str, Any]:
     """Serving equals training: ``LLM(directory, dtype="float32")`` generates
     ``check_new_tokens`` greedy tokens with ``logprobs=5`` from held-out prompts of the
@@ -382,6 +391,7 @@ def check_logprobs(
     llm = LLM(
         directory,
         dtype="float32",
+        implementation=implementation,
         max_model_len=budget.seq_len,
         max_slots=len(prompts),
         token_budget=budget.token_budget,
@@ -442,6 +452,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="held-out split, init, batch order")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few steps (CPU)")
     parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N steps (the learning-rate schedule stays the one of --steps)",
+    )
+    parser.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="train nothing: evaluate --output's saved model (held-out perplexity, the "
+        "logprob check) and write its evaluation.json",
+    )
+    parser.add_argument(
+        "--implementation",
+        default="auto",
+        choices=("auto", "xla", "triton", "mosaic"),
+        help="the kernels of training and of the check (auto)",
+    )
+    parser.add_argument(
         "--max-train-seconds",
         type=float,
         default=540.0,
@@ -466,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if budget.max_documents is not None:
         documents = documents[: budget.max_documents]
     train_docs, held_docs = split_documents(documents, seed=args.seed)
+    if args.evaluate_only:
+        return evaluate_saved(args, budget, corpus, held_docs)
     tokenizer = train_tokenizer(train_docs, budget.vocab_size)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     train_ids = encode_documents(tokenizer, train_docs)
@@ -479,7 +510,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train_batches = [tuple(b) for b in pack_documents(train_ids, **pack)]
     held_batches = [tuple(b) for b in pack_documents(held_ids, **pack)]
     cfg = model_config(budget, vocab_size)
-    model = HybridLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
+    model = HybridLM(
+        cfg, dtype=jnp.float32, implementation=args.implementation, rngs=nnx.Rngs(args.seed)
+    )
     params = parameter_count(model)
     print(f"{params:,} parameters, pattern {cfg.layer_pattern!r}, {len(train_batches)} batches")
 
@@ -491,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         steps=steps,
         seed=args.seed,
         max_train_seconds=args.max_train_seconds,
+        stop_after=args.stop_after,
     )
 
     out = args.output
@@ -502,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config |= {"eos_token_id": eos, "pad_token_id": eos, "max_position_embeddings": budget.seq_len}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    check = check_logprobs(out, held_ids, budget)
+    check = check_logprobs(out, held_ids, budget, args.implementation)
     print(
         f"engine vs training forward: max |Δ logprob| {check['max_abs_diff']:.2e} over "
         f"{check['logprobs_compared']} values ({'ok' if check['passed'] else 'FAILED'})"
@@ -511,7 +545,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from flax_models import load_hf_checkpoint
 
     saved = evaluate(
-        load_hf_checkpoint(out, dtype=jnp.float32), held_batches, loss=packed_loss(budget.seq_len)
+        load_hf_checkpoint(out, dtype=jnp.float32, implementation=args.implementation),
+        held_batches,
+        loss=packed_loss(budget.seq_len),
     )
     log = {
         "corpus": {
@@ -545,6 +581,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"held-out perplexity {log['held_out']['perplexity']:.2f} (saved bf16: "
         f"{saved['perplexity']:.2f}); {out} holds {log['directory_bytes'] / 1e6:.1f} MB; "
         f"{log['wall_seconds']:.0f} s in all"
+    )
+    return log
+
+
+def evaluate_saved(
+    args: argparse.Namespace, budget: Budget, corpus: bytes, held_docs: Sequence[str]
+) -> dict[str, Any]:
+    """``--evaluate-only``: the held-out documents (the same split) through the saved
+    directory's own tokenizer and weights (fp32): held-out loss and perplexity, then the
+    logprob check; written to ``evaluation.json`` beside the model."""
+    from flax_models import load_hf_checkpoint
+
+    out = args.output
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    held_ids = encode_documents(tokenizer, held_docs)
+    pack = dict(rows=budget.batch_rows, length=budget.seq_len)
+    held_batches = [tuple(b) for b in pack_documents(held_ids, **pack)]
+    model = load_hf_checkpoint(out, dtype=jnp.float32, implementation=args.implementation)
+    saved = evaluate(model, held_batches, loss=packed_loss(budget.seq_len))
+    check = check_logprobs(out, held_ids, budget, args.implementation)
+    device = jax.devices()[0]
+    log = {
+        "corpus_sha256": hashlib.sha256(corpus).hexdigest(),
+        "held_out_documents": len(held_docs),
+        "held_out_tokens": sum(map(len, held_ids)),
+        "held_out_saved_bf16": saved,
+        "logprob_check": check,
+        "device": f"{device.device_kind} ({device.platform})",
+        "jax": jax.__version__,
+        "implementation": args.implementation,
+    }
+    (out / "evaluation.json").write_text(json.dumps(log, indent=2, default=_json) + "\n")
+    print(
+        f"held-out perplexity {saved['perplexity']:.2f}; engine vs training forward: max "
+        f"|Δ logprob| {check['max_abs_diff']:.2e} over {check['logprobs_compared']} values "
+        f"({'ok' if check['passed'] else 'FAILED'})"
     )
     return log
 
