@@ -734,7 +734,7 @@ def _differentiable(
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
             return_intermediate_states=return_intermediate_states,
-            config=default_backward_block_sizes(config),
+            config=default_backward_block_sizes(config, x.dtype),
             interpret=interpret,
         )
         # The chunk layout (integers) is not differentiated.

@@ -105,13 +105,19 @@ class BackwardBlockSizes:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
-def default_backward_block_sizes(config: BlockSizes) -> BackwardBlockSizes:
+def default_backward_block_sizes(config: BlockSizes, dtype=jnp.bfloat16) -> BackwardBlockSizes:
     """The forward's row blocks (the backward's loops walk the same chunks), with wider
     steps over the chunk: 64 rows per chunk_dx step and ∂W tiles of 128 columns in
     chunk_dbc, pipelined 3 deep, on 8 warps at least (its two fp32 accumulators would spill
-    on 4). On one H200, G 1 chunk 256 (``tools/profile_ssd_backward.py --sweep``): chunk_dx
+    on 4). On one H200, G 1 chunk 256 (a sweep of the backward's tilings): chunk_dx
     2.58 → 2.44 ms and chunk_dbc 6.23 → 2.97 ms against 32-row steps pipelined 2 deep;
-    3 stages would slow the state pass (0.68 → 0.93 ms)."""
+    3 stages would slow the state pass (0.68 → 0.93 ms).
+
+    With 4-byte inputs (``dtype``, x's) every tile is twice the size and chunk_dbc is not
+    pipelined: the train step of a 4.6M-parameter fp32 hybrid (P 64, N 64, chunks of 64)
+    asked Triton for 321 KiB of shared memory on an H200, which has 227 KiB; chunk_dbc's
+    three stages of fp32 tiles are the likely part of it (not isolated on the GPU yet)."""
+    wide = jnp.dtype(dtype).itemsize > 2
     return BackwardBlockSizes(
         block_m=config.block_m,
         block_k=min(64, config.block_m),
@@ -120,7 +126,7 @@ def default_backward_block_sizes(config: BlockSizes) -> BackwardBlockSizes:
         dbc_block_k=128,
         dbc_num_warps=max(config.num_warps, 8),
         num_stages=config.num_stages,
-        dbc_num_stages=3,
+        dbc_num_stages=1 if wide else 3,
     )
 
 
