@@ -331,7 +331,9 @@ class Engine:
         ``builder.buckets()`` (all of them when None), e.g. those a known workload uses.
         The step programs are traced one after another and compiled in
         ``compile_workers`` threads at once (XLA compiles outside the GIL; None: up to 8,
-        and no more than the CPU cores), then each runs once. Logs a line per program
+        and no more than the CPU cores), then each runs once, and the samplers of each of
+        their row counts are lowered on its logits and compiled in the same threads. Logs
+        a line per step program
         (``logging``, this module's logger); ``progress``: a bar on stderr (None: on a
         terminal)."""
         grid = self.builder.buckets()
@@ -370,17 +372,20 @@ class Engine:
                 compiles.append(pool.submit(compile_step, bucket, lowered))
             for done in compiles:
                 done.result()  # (a compile's error, raised here)
-        bar.close()
-        # Each step runs once (the executables compiled above) and the samplers compile for
-        # its row count.
-        warmed = set()
-        for arrays in steps:
-            logits, tokens, _ = self._launch(arrays)
-            rows = arrays.slot_ids.shape[0]
-            if rows not in warmed:
-                warmed.add(rows)
-                tokens = self.runner.warm_sampler(logits, arrays.slot_ids)
-            jax.block_until_ready(tokens)
+            bar.close()
+            # Each step runs once (the executables compiled above); the samplers of each
+            # row count are lowered on its logits and compiled in the same threads.
+            warmed, compiles = set(), []
+            for arrays in steps:
+                logits, tokens, _ = self._launch(arrays)
+                rows = arrays.slot_ids.shape[0]
+                if rows not in warmed:
+                    warmed.add(rows)
+                    for lowered in self.runner.lower_samplers(logits, tokens, arrays.slot_ids):
+                        compiles.append(pool.submit(lowered.compile))
+                jax.block_until_ready(tokens)
+            for done in compiles:
+                done.result()
         logger.info(
             "warmup: %d program(s) for %d step bucket(s) in %.1f s (%d compile threads)",
             self.compile_count - before,

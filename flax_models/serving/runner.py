@@ -358,14 +358,30 @@ class StepRunner:
         )
         return tokens
 
-    def warm_sampler(self, logits: jax.Array, slot_ids: np.ndarray) -> jax.Array:
-        """Compiles the sampler's two programs for ``logits``' row count (drawing, without
-        and with a cutoff) and the log-probabilities'; the last one's output."""
+    def lower_samplers(
+        self, logits: jax.Array, tokens: jax.Array, slot_ids: np.ndarray
+    ) -> list[jax.stages.Lowered]:
+        """The sampler's two programs for a step's ``logits[R, V]`` (drawing, without and
+        with a cutoff) and the log-probabilities' (of its ``tokens[R]``), traced and
+        lowered on those arrays, not compiled: as :meth:`lower_step`, each ``compile()``
+        leaves the executable the programs' later calls on such a step run."""
         rows = slot_ids.shape[0]
         sampling = sampling_arrays([None] * rows, [0] * rows)
-        for restricts in (False, True):
-            tokens = self.launch_sampler(logits, slot_ids, sampling, restricts=restricts)
-        return self.logprobs_program(logits, tokens)
+        args = (
+            logits,
+            self.slot_tokens,
+            slot_ids,
+            sampling["temperature"],
+            sampling["top_k"],
+            sampling["top_p"],
+            sampling["seeds"],
+            sampling["counters"],
+        )
+        samplers = [
+            self.sampler_program.lower(*args, draws=True, restricts=restricts)
+            for restricts in (False, True)
+        ]
+        return [*samplers, self.logprobs_program.lower(logits, tokens)]
 
     def recover(self) -> bool:
         """After a launch that raised: the caches were donated to it, and if it consumed

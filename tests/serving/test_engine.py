@@ -356,6 +356,10 @@ def test_warmup_compiles_the_buckets_asked_for():
     assert compiled.count("jit(step_function)") == 2, compiled
     with backend_compiles() as after:
         engine.step(engine.builder.build([Request(0, [5], 3)], []))
+        # The samplers (drawing, with a cutoff) and the logprobs' were compiled in the
+        # threads too: a sampled request with logprobs compiles nothing.
+        params = SamplingParams(max_tokens=2, temperature=0.9, top_p=0.8, seed=1, logprobs=2)
+        engine.generate([[5, 6]], sampling=params)
     assert after == []
 
 
