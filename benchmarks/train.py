@@ -477,24 +477,16 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
             min_sample_ms=0.0,
         )
         if timing is not None:
-            seconds = timing.median_ms * 1e-3
-            achieved = cost["flops"] / seconds / 1e12
             results.add(
-                harness.row(
+                _step_row(
                     name,
                     impl,
                     timing,
+                    results,
                     flops=cost["flops"],
-                    bytes_moved=0.0,  # compute-bound: its floor is the FLOPs'
-                    ceilings=results.ceilings,
                     op="train step (forward, backward, AdamW)",
                     tokens=batch * length,
-                    tokens_per_s=batch * length / seconds,
-                    mfu_measured=achieved / results.ceilings.matmul_tflops,
-                    mfu_nominal=achieved / NOMINAL_BF16_TFLOPS,
-                    nominal_tflops=NOMINAL_BF16_TFLOPS,
                     first_step_s=first_step_s,
-                    peak_bytes=harness.peak_bytes(),
                     remat=args.remat,
                     dtype=jnp.dtype(dtype).name,
                     **{k: v for k, v in cost.items() if k != "flops"},
@@ -502,6 +494,38 @@ def bench_train(args: argparse.Namespace, results: Results) -> None:
             )
         del model, optimizer
         gc.collect()
+
+
+def _step_row(
+    name: str,
+    impl: str,
+    timing: harness.Timing,
+    results: Results,
+    *,
+    flops: float,
+    tokens: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A train step's row: compute-bound (its floor is the FLOPs'), with tokens/s, the
+    model FLOPs utilisation against the measured and the nominal bf16 rate, and the peak
+    memory so far."""
+    seconds = timing.median_ms * 1e-3
+    achieved = flops / seconds / 1e12
+    return harness.row(
+        name,
+        impl,
+        timing,
+        flops=flops,
+        bytes_moved=0.0,
+        ceilings=results.ceilings,
+        tokens=tokens,
+        tokens_per_s=tokens / seconds,
+        mfu_measured=achieved / results.ceilings.matmul_tflops,
+        mfu_nominal=achieved / NOMINAL_BF16_TFLOPS,
+        nominal_tflops=NOMINAL_BF16_TFLOPS,
+        peak_bytes=harness.peak_bytes(),
+        **extra,
+    )
 
 
 def bench_lora(args: argparse.Namespace, results: Results) -> None:
@@ -545,24 +569,16 @@ def bench_lora(args: argparse.Namespace, results: Results) -> None:
     )
     if timing is None:
         return
-    seconds = timing.median_ms * 1e-3
-    achieved = flops / seconds / 1e12
     results.add(
-        harness.row(
+        _step_row(
             name,
             "auto",
             timing,
+            results,
             flops=flops,
-            bytes_moved=0.0,
-            ceilings=results.ceilings,
             op="LoRA train step (forward, backward, AdamW on the adapters)",
             tokens=tokens,
-            tokens_per_s=tokens / seconds,
-            mfu_measured=achieved / results.ceilings.matmul_tflops,
-            mfu_nominal=achieved / NOMINAL_BF16_TFLOPS,
-            nominal_tflops=NOMINAL_BF16_TFLOPS,
             first_step_s=first_step_s,
-            peak_bytes=harness.peak_bytes(),
             remat=args.remat,
             dtype=jnp.dtype(dtype).name,
             lora_rank=rank,

@@ -344,19 +344,16 @@ class StepRunner:
         restricts: bool,
     ) -> jax.Array:
         """Launches the drawing sampler on a step's logits; its tokens (on the device)."""
-        tokens, self.slot_tokens = self.sampler_program(
-            logits,
-            self.slot_tokens,
-            slot_ids,
-            sampling["temperature"],
-            sampling["top_k"],
-            sampling["top_p"],
-            sampling["seeds"],
-            sampling["counters"],
-            draws=True,
-            restricts=restricts,
-        )
+        args = self._sampler_arguments(logits, slot_ids, sampling)
+        tokens, self.slot_tokens = self.sampler_program(*args, draws=True, restricts=restricts)
         return tokens
+
+    def _sampler_arguments(
+        self, logits: jax.Array, slot_ids: np.ndarray, sampling: dict[str, np.ndarray]
+    ) -> tuple:
+        """``sampler_program``'s positional arguments (its flags are keywords)."""
+        settings = ("temperature", "top_k", "top_p", "seeds", "counters")
+        return (logits, self.slot_tokens, slot_ids, *(sampling[k] for k in settings))
 
     def lower_samplers(
         self, logits: jax.Array, tokens: jax.Array, slot_ids: np.ndarray
@@ -366,17 +363,7 @@ class StepRunner:
         lowered on those arrays, not compiled: as :meth:`lower_step`, each ``compile()``
         leaves the executable the programs' later calls on such a step run."""
         rows = slot_ids.shape[0]
-        sampling = sampling_arrays([None] * rows, [0] * rows)
-        args = (
-            logits,
-            self.slot_tokens,
-            slot_ids,
-            sampling["temperature"],
-            sampling["top_k"],
-            sampling["top_p"],
-            sampling["seeds"],
-            sampling["counters"],
-        )
+        args = self._sampler_arguments(logits, slot_ids, sampling_arrays([None] * rows, [0] * rows))
         samplers = [
             self.sampler_program.lower(*args, draws=True, restricts=restricts)
             for restricts in (False, True)
