@@ -21,7 +21,7 @@ p50/p99 (ms), output and total tokens/s and requests/s over the run's wall time 
 send to last byte), and the achieved arrival rate.
 
 ``--model bamba-9b``: the offline trace's model shape with random weights
-(:func:`dummy_model`: the server's ``--load-format dummy``) and its engine settings.
+(:func:`dummy_model`: the server's ``--load-format dummy``), its engine settings, coarser buckets.
 
 ``--quick``: the tiny text fixture on the CPU (fixed buckets, three programs), 8 requests
 of the quick trace at rates 4 and inf. Results: one row per rate (``<model>/online-<N>/
@@ -283,7 +283,7 @@ def dummy_model(directory: Path) -> tuple[Path, list[str]]:
     ``i`` is ``<i>``), served with ``--load-format dummy`` (random weights) and the offline
     trace's engine settings (``benchmarks.serving.engine_options``) but coarser buckets,
     :data:`DUMMY_DECODE_BUCKETS` × :data:`DUMMY_TOKEN_BUCKETS`: the server compiles every
-    pair at start-up (35 programs, not the offline grid's 189). Returns the directory and
+    pair at start-up (35 step programs, not the offline grid's 189). Returns the directory and
     those server options."""
     import jax.numpy as jnp
     from tokenizers import Tokenizer, models, pre_tokenizers
