@@ -355,9 +355,7 @@ def main() -> None:
         default=str(DEMO_MODEL),
         help="a Hugging Face directory with tokenizer.json (default: the shipped KJV model)",
     )
-    parser.add_argument(
-        "--implementation", default="auto", choices=["auto", "xla", "triton", "mosaic"]
-    )
+    parser.add_argument("--implementation", default="auto", choices=pk.IMPLEMENTATIONS)
     args = parser.parse_args()
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "

@@ -58,6 +58,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import pallas_kernels as pk
 from flax_models import LLM, HybridConfig, HybridLM, SamplingParams, save_hf_checkpoint
 from flax_models.training import (
     default_optimizer,
@@ -467,7 +468,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--implementation",
         default="auto",
-        choices=("auto", "xla", "triton", "mosaic"),
+        choices=pk.IMPLEMENTATIONS,
         help="the kernels of training and of the check (auto)",
     )
     parser.add_argument(
@@ -506,9 +507,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{sum(map(len, train_ids)):,} training tokens, vocab {vocab_size}"
     )
 
-    pack = dict(rows=budget.batch_rows, length=budget.seq_len)
-    train_batches = [tuple(b) for b in pack_documents(train_ids, **pack)]
-    held_batches = [tuple(b) for b in pack_documents(held_ids, **pack)]
+    train_batches = packed_batches(train_ids, budget)
+    held_batches = packed_batches(held_ids, budget)
     cfg = model_config(budget, vocab_size)
     model = HybridLM(
         cfg, dtype=jnp.float32, implementation=args.implementation, rngs=nnx.Rngs(args.seed)
@@ -536,19 +536,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config |= {"eos_token_id": eos, "pad_token_id": eos, "max_position_embeddings": budget.seq_len}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    check = check_logprobs(out, held_ids, budget, args.implementation)
-    print(
-        f"engine vs training forward: max |Δ logprob| {check['max_abs_diff']:.2e} over "
-        f"{check['logprobs_compared']} values ({'ok' if check['passed'] else 'FAILED'})"
-    )
-    # The saved (bf16-rounded) weights on the held-out documents, in fp32.
-    from flax_models import load_hf_checkpoint
-
-    saved = evaluate(
-        load_hf_checkpoint(out, dtype=jnp.float32, implementation=args.implementation),
-        held_batches,
-        loss=packed_loss(budget.seq_len),
-    )
+    saved, check = score_saved(out, held_ids, budget, args.implementation)
     log = {
         "corpus": {
             "path": str(args.corpus),
@@ -585,22 +573,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return log
 
 
+def packed_batches(ids: Sequence[Sequence[int]], budget: Budget) -> list[tuple]:
+    """``pack_documents`` rows of ``budget``'s shape: ``(tokens, query_start_loc, labels)``."""
+    pack = dict(rows=budget.batch_rows, length=budget.seq_len)
+    return [tuple(b) for b in pack_documents(ids, **pack)]
+
+
+def score_saved(
+    out: Path, held_ids: Sequence[Sequence[int]], budget: Budget, implementation: str
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """The saved directory's (bf16-rounded) weights in fp32 on the held-out documents
+    (loss, perplexity), then the logprob check; prints both."""
+    from flax_models import load_hf_checkpoint
+
+    model = load_hf_checkpoint(out, dtype=jnp.float32, implementation=implementation)
+    saved = evaluate(model, packed_batches(held_ids, budget), loss=packed_loss(budget.seq_len))
+    check = check_logprobs(out, held_ids, budget, implementation)
+    print(
+        f"held-out perplexity of the saved weights {saved['perplexity']:.2f}; engine vs "
+        f"training forward: max |Δ logprob| {check['max_abs_diff']:.2e} over "
+        f"{check['logprobs_compared']} values ({'ok' if check['passed'] else 'FAILED'})"
+    )
+    return saved, check
+
+
 def evaluate_saved(
     args: argparse.Namespace, budget: Budget, corpus: bytes, held_docs: Sequence[str]
 ) -> dict[str, Any]:
     """``--evaluate-only``: the held-out documents (the same split) through the saved
     directory's own tokenizer and weights (fp32): held-out loss and perplexity, then the
     logprob check; written to ``evaluation.json`` beside the model."""
-    from flax_models import load_hf_checkpoint
-
     out = args.output
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     held_ids = encode_documents(tokenizer, held_docs)
-    pack = dict(rows=budget.batch_rows, length=budget.seq_len)
-    held_batches = [tuple(b) for b in pack_documents(held_ids, **pack)]
-    model = load_hf_checkpoint(out, dtype=jnp.float32, implementation=args.implementation)
-    saved = evaluate(model, held_batches, loss=packed_loss(budget.seq_len))
-    check = check_logprobs(out, held_ids, budget, args.implementation)
+    saved, check = score_saved(out, held_ids, budget, args.implementation)
     device = jax.devices()[0]
     log = {
         "corpus_sha256": hashlib.sha256(corpus).hexdigest(),
@@ -613,11 +619,6 @@ def evaluate_saved(
         "implementation": args.implementation,
     }
     (out / "evaluation.json").write_text(json.dumps(log, indent=2, default=_json) + "\n")
-    print(
-        f"held-out perplexity {saved['perplexity']:.2f}; engine vs training forward: max "
-        f"|Δ logprob| {check['max_abs_diff']:.2e} over {check['logprobs_compared']} values "
-        f"({'ok' if check['passed'] else 'FAILED'})"
-    )
     return log
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import pallas_kernels as pk
 from flax_models.serving.sampling import SamplingParams
 from flax_models.serving.text import LLM
 
@@ -48,9 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto"
     )
-    parser.add_argument(
-        "--implementation", choices=["auto", "xla", "triton", "mosaic"], default="auto"
-    )
+    parser.add_argument("--implementation", choices=pk.IMPLEMENTATIONS, default="auto")
     parser.add_argument("--max-slots", type=int, default=None, help="default: 1 or 8")
     parser.add_argument("--max-len", type=int, default=None, help="default: 256")
     parser.add_argument("--token-budget", type=int, default=64)

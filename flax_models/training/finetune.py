@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+import pallas_kernels as pk
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.lora import add_lora, merge_lora, save_lora_adapter
 from flax_models.model import HybridLM
@@ -165,9 +166,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto"
     )
-    parser.add_argument(
-        "--implementation", choices=["auto", "xla", "triton", "mosaic"], default="auto"
-    )
+    parser.add_argument("--implementation", choices=pk.IMPLEMENTATIONS, default="auto")
     args = parser.parse_args(argv)
     if not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
