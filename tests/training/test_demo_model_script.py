@@ -77,3 +77,15 @@ def test_quick_run_saves_a_servable_model(tmp_path):
     assert isinstance(model, HybridLM) and model.cfg.layer_pattern == "M*"
     params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert params == saved["parameters"]
+
+    # --evaluate-only re-derives the held-out split through the saved tokenizer and
+    # scores the saved weights as the training run did.
+    again = script.main(
+        ["--quick", "--corpus", str(corpus), "--output", str(out), "--seed", "1", "--evaluate-only"]
+    )
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    assert evaluation["held_out_tokens"] == saved["corpus"]["held_out_tokens"]
+    assert np.isclose(
+        evaluation["held_out_saved_bf16"]["loss"], saved["held_out_saved_bf16"]["loss"], rtol=1e-6
+    )
+    assert again["logprob_check"]["passed"]
