@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,11 @@ from pallas_kernels import masked_tail_attention, ssd_scan
 from pallas_kernels.attention import api as attention_api
 from pallas_kernels.backend import backend_for, on_gpu
 from pallas_kernels.ssd import api as ssd_api
+from pallas_kernels.ssd import mosaic as ssd_mosaic
+from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
+from pallas_kernels.ssd import triton as ssd_triton
+from pallas_kernels.ssd import triton_config as ssd_triton_config
+from pallas_kernels.ssd import triton_vjp as ssd_triton_vjp
 
 SECTIONS: Final = ("ssd", "attention", "train", "lora")
 # NVIDIA H200 SXM datasheet: 989 TFLOP/s dense bf16 tensor-core peak (1979 with sparsity).
@@ -209,6 +215,11 @@ def bench_ssd(p: ssd_benchmark.PrefillProblem, results: Results) -> None:
         timing = _time_or_note(f"{p.name} {impl}", lambda f=fwd_bwd: f(args, dy))
         if timing is None:
             continue
+        backend = backend_for(call, implementation=impl)
+        stages = {}
+        if on_gpu() and impl == backend and backend in ("mosaic", "triton"):
+            stages = dict(stages_ms=ssd_stage_times(p, inputs, dy, backend))
+            print(f"{p.name} {impl} launches (ms): {stages['stages_ms']}")
         results.add(
             harness.row(
                 p.name,
@@ -218,10 +229,11 @@ def bench_ssd(p: ssd_benchmark.PrefillProblem, results: Results) -> None:
                 bytes_moved=bytes_moved,
                 ceilings=results.ceilings,
                 op="ssd_scan forward + backward",
-                backend=backend_for(call, implementation=impl),
+                backend=backend,
                 tokens=sum(p.lengths),
                 groups=p.groups,
                 chunk_size=p.chunk_size,
+                **stages,
             )
         )
     peer = _jla_ssd(p, md)
@@ -245,6 +257,136 @@ def bench_ssd(p: ssd_benchmark.PrefillProblem, results: Results) -> None:
                 chunk_size=p.chunk_size,
             )
         )
+
+
+def ssd_stage_times(
+    p: ssd_benchmark.PrefillProblem, inputs: dict, dy: jax.Array, backend: str
+) -> dict[str, float]:
+    """The per-launch profile of ``bench_ssd``'s forward + backward on ``backend``
+    (``"mosaic"`` or ``"triton"``): the median ms of each launch run alone, in order, on
+    what the launches before it wrote (the forward's residuals, then the backward's). The
+    row's total less their sum is XLA's glue between them (the dt chain rule, the reverse
+    cumsum of the decay cotangent, the head and split sums of dB and dC)."""
+    x, dt, A, B, C, D, dt_bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    md = inputs["metadata"]
+    cu = md.cu_chunk_seqlens
+    s = ssd_triton_config.ScanShapes.of(x, B, md)
+    f32 = jnp.float32
+    blocks = ssd_triton_config.default_block_sizes(p.chunk_size, p.head_dim, p.state_dim)
+    backward_blocks = ssd_triton_config.default_backward_block_sizes(blocks, x.dtype)
+    D_hp = jnp.broadcast_to(D.astype(f32).reshape(s.heads, -1), (s.heads, s.head_dim))
+    scan_options = dict(
+        dt_softplus=True,
+        dt_limit=(0.0, math.inf),
+        intermediate=False,
+        state_dtype=f32,
+        blocks=blocks,
+        interpret=False,
+    )
+    times: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[..., Any], *operands: Any) -> Any:
+        compiled = jax.jit(fn)
+        times[name] = harness.time_fn(lambda: compiled(*operands)).median_ms
+        return compiled(*operands)
+
+    if backend == "mosaic":
+        mosaic_states = ssd_mosaic.state_scan_supports(
+            heads_per_group=s.heads // s.groups, state_dim=s.state_dim, intermediate=False
+        )
+        config = ssd_mosaic_config.BlockSizes()
+        state_fn, _ = ssd_mosaic.residual_stages(config, mosaic_states)
+        carried_dtype = C.dtype
+
+        def chunk_scan(x, C, B, dt_chunks, cum, carried, D, ssm_out=False):
+            return ssd_mosaic.chunk_scan(
+                s, md, x, C, B, dt_chunks, cum, carried, D, None, config=config, ssm_out=ssm_out
+            )
+    else:
+        state_fn, carried_dtype = ssd_triton.state_scan, f32
+
+    dt_chunks, cum, carried, _ = timed(
+        "state_scan",
+        lambda x, dt, A, B, dt_bias: state_fn(
+            s, md, x, dt, A, B, dt_bias, None, carried_dtype=carried_dtype, **scan_options
+        ),
+        x,
+        dt,
+        A,
+        B,
+        dt_bias,
+    )
+    cb = timed(
+        "chunk_cb",
+        lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False),
+        C,
+        B,
+    )
+    if backend == "mosaic":
+        timed("chunk_scan", chunk_scan, x, C, B, dt_chunks, cum, carried, D_hp)
+        y_ssm = timed(
+            "chunk_scan_ssm",
+            functools.partial(chunk_scan, ssm_out=True),
+            x,
+            C,
+            B,
+            dt_chunks,
+            cum,
+            carried,
+            None,
+        )
+    else:  # the Triton chunk scan writes y and y_ssm in one launch (with C·Bᵀ, timed apart)
+        y_ssm = timed(
+            "chunk_scan",
+            lambda *a: ssd_triton.chunk_scan(
+                s, cu, *a, None, blocks=blocks, interpret=False, with_ssm=True
+            )[1],
+            x,
+            C,
+            cb,
+            dt_chunks,
+            cum,
+            carried,
+            D_hp,
+        )
+    residuals = ssd_triton_config.Residuals(dt_chunks, cum, carried, cb, y_ssm)
+    dstates = jnp.zeros((s.num_seqs, s.heads, s.head_dim, s.state_dim), f32)
+    stage = dict(blocks=backward_blocks, interpret=False)
+    _, ds_out, _, _ = timed(
+        "bwd_state_pass",
+        lambda dy, C, res, dstates: ssd_triton_vjp.state_pass(
+            s, md, dy, None, C, res, dstates, intermediate=False, **stage
+        ),
+        dy,
+        C,
+        residuals,
+        dstates,
+    )
+    timed(
+        "bwd_chunk_dx",
+        lambda x, B, res, ds_out, D, dy: ssd_triton_vjp.chunk_dx(
+            s, cu, x, B, res, ds_out, D, None, dy, dy, **stage
+        ),
+        x,
+        B,
+        residuals,
+        ds_out,
+        D_hp,
+        dy,
+    )
+    timed(
+        "bwd_chunk_dbc",
+        lambda x, B, C, res, ds_out, dy: ssd_triton_vjp.chunk_dbc(
+            s, cu, x, B, C, res, ds_out, dy, **stage
+        ),
+        x,
+        B,
+        C,
+        residuals,
+        ds_out,
+        dy,
+    )
+    return times
 
 
 def _jla_ssd(p: ssd_benchmark.PrefillProblem, md) -> Callable[..., jax.Array] | None:

@@ -47,8 +47,14 @@ exit at once; a few extra blocks zero the bucket rows no chunk owns.
 
 Covers bf16/fp16 x, B, C (one dtype), head dim 64, state dims 64/128/256 and chunk sizes
 128/256 within the shared-memory budget, batches of at least one chunk (``mosaic_config.supports``);
-the rest run on Triton, and so does the differentiated forward (the Triton kernels write
-the backward's residuals).
+the rest run on Triton.
+
+**Under differentiation** (:func:`chunk_scan_with_ssm`) the same two stages write the
+residuals of the Triton backward kernels (``ssd/triton_vjp.py``): the state scan stores
+every chunk's carried state (in C's dtype, what the chunk scan consumed), and a second
+chunk-scan pass without D and z writes ``y_ssm`` in fp32 through one unswizzled fp32 tile
+per consumer (``ssm_out``: the bytes of the two 16-bit output tiles). Only C·Bᵀ (2 GFLOP)
+comes from the Triton ``chunk_cb``.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ def _kernel(
     has_D: bool,
     has_z: bool,
     first_states_zero: bool,
+    ssm_out: bool,
     heads_per_group: int,
     heads_per_block: int,
     num_stages: int,
@@ -134,7 +141,8 @@ def _kernel(
         z_full,
     ):
         c_tiles, c_flat = c_views
-        out_tiles, out_flat, out_rows = out_views
+        # ssm_out: one unswizzled fp32 tile per consumer (the bytes of two 16-bit ones).
+        out_tiles, out_flat, out_rows = (None, None, out_views) if ssm_out else out_views
         b_tiles, b_flat, (x_tiles, s_tiles), x_flat = ring_views
         chunk = lax.axis_index("chunk")
         half = lax.axis_index("half")
@@ -225,6 +233,23 @@ def _kernel(
             plgpu.commit_smem()
             plgpu.barrier_arrive(cb_done)
 
+            def store_output(y, row0, out_slot, h):
+                @pl.when(live == ROWS)
+                def _whole_block():  # one swizzled 64-row store, at any row
+                    out_tiles.at[k, out_slot][...] = y
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        out_flat.at[k, out_slot], y_ref.at[pl.ds(row0, ROWS), h]
+                    )
+
+                @pl.when(live < ROWS)
+                def _chunk_end():  # the chunk's last rows, through the store ladder
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    tile = out_rows.at[k, out_slot]
+                    tile[...] = y
+                    plgpu.commit_smem()
+                    store_rows(tile, y_ref, row0=row0, first=0, live=live, head=h, wait=False)
+
             def head(i, carry):
                 slot = lax.rem(i, num_stages)
                 h = h0 + i
@@ -265,8 +290,11 @@ def _kernel(
                 @pl.when(live > 0)
                 def _row_block():
                     row0 = start + b * ROWS
-                    out_tile = out_tiles.at[k, out_slot]
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    if ssm_out:  # one tile: the last head's store must have read it
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    else:
+                        out_tile = out_tiles.at[k, out_slot]
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     if has_z:  # into the output tile; lands while the products run
                         plgpu.copy_gmem_to_smem(
                             z_ref.at[pl.ds(row0, ROWS), h], out_flat.at[k, out_slot], z_full.at[k]
@@ -331,23 +359,13 @@ def _kernel(
                         plgpu.barrier_wait(z_full.at[k])
                         gate = plgpu.load(out_tile, layout=wgmma_layout).astype(f32)
                         acc = acc * silu(gate)
-                    y = acc.astype(dtype)
-
-                    @pl.when(live == ROWS)
-                    def _whole_block():  # one swizzled 64-row store, at any row
-                        out_tile[...] = y
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_flat.at[k, out_slot], y_ref.at[pl.ds(row0, ROWS), h]
-                        )
-
-                    @pl.when(live < ROWS)
-                    def _chunk_end():  # the chunk's last rows, through the store ladder
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        tile = out_rows.at[k, out_slot]
-                        tile[...] = y
+                    if ssm_out:  # fp32 through the store ladder: one 64-row box if whole
+                        tile = out_rows.at[k, 0]
+                        tile[...] = acc
                         plgpu.commit_smem()
                         store_rows(tile, y_ref, row0=row0, first=0, live=live, head=h, wait=False)
+                    else:
+                        store_output(acc.astype(dtype), row0, out_slot, h)
 
                 plgpu.barrier_arrive(free.at[slot])
                 return carry
@@ -361,7 +379,7 @@ def _kernel(
             # tail blocks' consumers (a store past T is clipped by the TMA unit).
             total = cu_ref[max_chunks]
             zeros = out_rows.at[wg, 0]
-            zeros[...] = plgpu.layout_cast(jnp.zeros(block_shape, dtype), wgmma_layout)
+            zeros[...] = plgpu.layout_cast(jnp.zeros(block_shape, y_ref.dtype), wgmma_layout)
             plgpu.commit_smem()
             workers = _TAIL_BLOCKS * num_halves * CONSUMERS
             worker = ((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg
@@ -404,8 +422,10 @@ def _kernel(
         plgpu.SMEM((num_stages, HEAD_DIM), f32) if has_D else None,
         # Per consumer, two output tiles: swizzled (wgmma layout stores), their
         # swizzle-only view (a TMA store at any row) and an unswizzled view (the store
-        # ladder of a chunk's last rows).
-        plgpu.RefUnion(
+        # ladder of a chunk's last rows); with ssm_out one unswizzled fp32 tile.
+        plgpu.SMEM((CONSUMERS, 1, ROWS, HEAD_DIM), f32)
+        if ssm_out
+        else plgpu.RefUnion(
             plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=tiles),
             plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=flat),
             plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype),
@@ -842,12 +862,16 @@ def chunk_scan(
     *,
     config: BlockSizes,
     first_states_zero: bool = False,
+    ssm_out: bool = False,
 ) -> jax.Array:
     """Stage 3 on the tensor cores: ``y[T, H, P]`` in x's dtype from the state scan's
     ``dt_chunks``, ``cum[H, max_chunks, chunk_size]`` and ``carried[max_chunks, H, P, N]``
     (in C's dtype); ``D[H, P]`` fp32 or None; bucket rows past the chunks zeroed.
     ``first_states_zero``: no initial states, and the state scan wrote no carried state for
-    a sequence's first chunk (:func:`state_scan`); its chunk scan starts from zero."""
+    a sequence's first chunk (:func:`state_scan`); its chunk scan starts from zero.
+    ``ssm_out`` (no D, no z): ``y`` in fp32, the backward's ``y_ssm`` residual."""
+    if ssm_out and (D is not None or z is not None):
+        raise ValueError("ssm_out writes y before the D skip and the z gate: pass D=z=None")
     heads_per_group = s.heads // s.groups
     heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
     check_block_sizes(
@@ -863,11 +887,12 @@ def chunk_scan(
             has_D=D is not None,
             has_z=z is not None,
             first_states_zero=first_states_zero,
+            ssm_out=ssm_out,
             heads_per_group=heads_per_group,
             heads_per_block=heads_per_block,
             num_stages=config.num_stages,
         ),
-        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32 if ssm_out else x.dtype),
         # The last axis varies fastest: the head blocks of a chunk run side by side and
         # share its C and B in L2.
         grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // BLOCK_ROWS, s.heads // heads_per_block),
@@ -876,7 +901,7 @@ def chunk_scan(
         thread_name="wg",
         kernel_name=(
             f"ssd_mosaic_chunk_scan_cs{s.chunk_size}_n{s.state_dim}_hb{heads_per_block}"
-            f"_s{config.num_stages}_zero{int(first_states_zero)}"
+            f"_s{config.num_stages}_zero{int(first_states_zero)}{'_ssm' if ssm_out else ''}"
         ),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
@@ -902,10 +927,50 @@ def _chunk_scan_with(config: BlockSizes, first_states_zero: bool):
     return functools.partial(chunk_scan, config=config, first_states_zero=first_states_zero)
 
 
+def chunk_scan_with_ssm(
+    s: triton_config.ScanShapes,
+    metadata,
+    x: jax.Array,
+    C: jax.Array,
+    B: jax.Array,
+    dt_chunks: jax.Array,
+    cum: jax.Array,
+    carried: jax.Array,
+    D: jax.Array | None,
+    z: jax.Array | None,
+    *,
+    config: BlockSizes,
+) -> tuple[jax.Array, jax.Array]:
+    """Stage 3 under differentiation: ``(y, y_ssm)``, y as :func:`chunk_scan` writes it
+    and the fp32 residual ``y_ssm`` (before the D skip and the z gate) from a second pass
+    (the backward's decay cotangent ``dy · y_ssm − dt' x · g`` cancels, so ``y_ssm`` must
+    not be rounded to 16 bits; at chunk 256 the shared memory holds no second output
+    tile, so one pass cannot write both). Every chunk reads its carried state."""
+    y_ssm = chunk_scan(
+        s, metadata, x, C, B, dt_chunks, cum, carried, None, None, config=config, ssm_out=True
+    )
+    if D is None and z is None:  # y is y_ssm rounded
+        return y_ssm.astype(x.dtype), y_ssm
+    y = chunk_scan(s, metadata, x, C, B, dt_chunks, cum, carried, D, z, config=config)
+    return y, y_ssm
+
+
+@functools.cache
+def residual_stages(config: BlockSizes, mosaic_states: bool):
+    """The forward's stages under differentiation (``triton._forward``'s
+    ``residual_stages``): every chunk's carried state written, in C's dtype."""
+    return (
+        _state_scan_with(False) if mosaic_states else triton.state_scan,
+        functools.partial(chunk_scan_with_ssm, config=config),
+    )
+
+
 def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated and
-    ``mosaic_config.supports`` takes the call. The Triton state scan, then this chunk scan;
-    under differentiation the Triton forward (it writes the backward's residuals) and backward."""
+    ``mosaic_config.supports`` takes the call. The Mosaic (or, where it cannot serve, the
+    Triton) state scan, then this chunk scan; under differentiation the same stages write
+    the backward's residuals (:func:`chunk_scan_with_ssm`) for the Triton backward
+    kernels (``ssd/triton_vjp.py``)."""
     mosaic_states = state_scan_supports(
         heads_per_group=x.shape[1] // B.shape[1],
         state_dim=B.shape[2],
@@ -923,5 +988,6 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         config=triton_config.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
         state_scan_fn=_state_scan_with(first_states_zero) if mosaic_states else None,
         chunk_scan_fn=_chunk_scan_with(config, first_states_zero),
+        residual_stages=residual_stages(config, mosaic_states),
         **options,
     )

@@ -28,7 +28,8 @@ Gradients (``jax.custom_vjp``): outside differentiation the scan is the three la
 above, unchanged. Under differentiation the state scan keeps the carried states in fp32
 and the chunk scan also writes y before the D skip and the gate; with dt', the cumulative
 decay and C·Bᵀ they are the residuals of the Pallas backward kernels in
-``ssd/triton_vjp.py`` (chunk-granular: no per-token state is stored or recomputed).
+``ssd/triton_vjp.py`` (chunk-granular: no per-token state is stored or recomputed). The
+Mosaic GPU backend writes the same residuals with its own stages (``residual_stages``).
 """
 
 from __future__ import annotations
@@ -593,6 +594,7 @@ def _forward(
     residuals: bool = False,
     state_scan_fn=None,
     chunk_scan_fn=None,
+    residual_stages=None,
 ):
     """The three launches: ``(y, states, saved)``. With ``residuals`` (under
     differentiation), ``saved`` is ``(dt_chunks, cum, carried, cb, y_ssm)`` for the
@@ -600,7 +602,9 @@ def _forward(
     y is the same); else None and the carried states are in C's dtype, and the kernels
     given replace stages 1 (``state_scan_fn``, :func:`state_scan`'s signature) and
     3a + 3b (``chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)``): the
-    Mosaic GPU backend's (``mosaic.py``)."""
+    Mosaic GPU backend's (``mosaic.py``). ``residual_stages``: that backend's pair under
+    differentiation, ``(state_scan_fn, fn(...) -> (y, y_ssm))`` with the carried states
+    in C's dtype (what its chunk scan consumed); only C·Bᵀ stays Triton."""
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
     blocks = config
@@ -608,7 +612,11 @@ def _forward(
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    scan_states = state_scan if state_scan_fn is None or residuals else state_scan_fn
+    if residuals and residual_stages is not None:
+        scan_states, chunk_scan_with_ssm = residual_stages
+    else:
+        scan_states = state_scan if state_scan_fn is None or residuals else state_scan_fn
+        chunk_scan_with_ssm = None
     dt_chunks, cum, carried, states = scan_states(
         s,
         metadata,
@@ -622,11 +630,15 @@ def _forward(
         dt_limit=dt_limit,
         intermediate=return_intermediate_states,
         state_dtype=state_dtype,
-        carried_dtype=jnp.float32 if residuals else C.dtype,
+        carried_dtype=jnp.float32 if residuals and chunk_scan_with_ssm is None else C.dtype,
         blocks=blocks,
         interpret=interpret,
     )
     cu = metadata.cu_chunk_seqlens
+    if chunk_scan_with_ssm is not None:
+        y, y_ssm = chunk_scan_with_ssm(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
+        cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
+        return y, states, (dt_chunks, cum, carried, cb, y_ssm)
     if chunk_scan_fn is not None and not residuals:
         y = chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
         return y, states, None
@@ -662,12 +674,13 @@ def _differentiable(
     interpret: bool,
     state_scan_fn,
     chunk_scan_fn,
+    residual_stages,
 ):
     """The scan with its Pallas backward kernels (``ssd/triton_vjp.py``), for one set
     of static options. Outside differentiation it is the plain forward (with the stage
     kernels given, see ``_forward``); under it, the forward also returns the backward's
-    residuals (``_forward(residuals=True)``, the Triton chunk scan), with the same y and
-    states."""
+    residuals (``_forward(residuals=True)``: the Triton stages, or ``residual_stages``),
+    with the same y and states."""
     options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
@@ -709,6 +722,7 @@ def _differentiable(
             initial_states,
             metadata,
             residuals=True,
+            residual_stages=residual_stages,
             **options,
         )
         inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)
@@ -765,12 +779,13 @@ def ssd_scan(
     interpret: bool = False,
     state_scan_fn=None,
     chunk_scan_fn=None,
+    residual_stages=None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
     backward kernels of ``ssd/triton_vjp.py``. ``state_scan_fn`` and
-    ``chunk_scan_fn``: the forward's stages outside differentiation (see
-    ``_forward``); None: the Triton ones."""
+    ``chunk_scan_fn``: the forward's stages outside differentiation, ``residual_stages``
+    under it (see ``_forward``); None: the Triton ones."""
     del chunk_size  # the api checked it is metadata.chunk_size
     scan = _differentiable(
         bool(dt_softplus),
@@ -781,5 +796,6 @@ def ssd_scan(
         bool(interpret),
         state_scan_fn,
         chunk_scan_fn,
+        residual_stages,
     )
     return scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)

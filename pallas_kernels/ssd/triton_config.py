@@ -142,7 +142,9 @@ class Residuals(NamedTuple):
 
     dt_chunks: jax.Array  # [H, max_chunks, bcs] fp32: dt' (0 past a chunk's end)
     cum: jax.Array  # [H, max_chunks, bcs] fp32: within-chunk cumulative dt' A
-    carried: jax.Array  # [max_chunks, H, bp, bn] fp32: the state entering each chunk
+    # [max_chunks, H, bp, bn]: the state entering each chunk, fp32 (Triton forward) or in
+    # C's dtype (the Mosaic forward: what its chunk scan consumed).
+    carried: jax.Array
     cb: jax.Array  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
     y_ssm: jax.Array  # [T, H, P] fp32: y before the D skip and the z gate
 

@@ -637,40 +637,6 @@ def test_gpu_many_short_and_empty_sequences(impl):
 
 
 @pytest.mark.gpu
-def test_gpu_mosaic_gradients_are_the_triton_kernels():
-    """Under differentiation the Mosaic backend runs the Triton forward (it writes the
-    backward's residuals) and backward: gradients bit-identical to Triton's; the value
-    its own, within bf16 rounding of Triton's."""
-    if "mosaic" not in GPU_IMPLS:
-        pytest.skip("the Mosaic kernel needs a Hopper GPU")
-    p = _real_problem([700, 300, 57], groups=1, chunk_size=256, dtype=jnp.bfloat16)
-    options = dict(D=p.D, z=p.z, dt_bias=p.dt_bias, dt_softplus=True)
-
-    def loss(impl):
-        def f(x, B, C):
-            y, states = ssd_scan(
-                x,
-                p.dt,
-                p.A,
-                B,
-                C,
-                metadata=p.metadata(),
-                chunk_size=p.chunk_size,
-                implementation=impl,
-                **options,
-            )
-            return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(states)
-
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
-
-    value_m, grads_m = loss("mosaic")(p.x, p.B, p.C)
-    value_t, grads_t = loss("triton")(p.x, p.B, p.C)
-    for g_m, g_t in zip(grads_m, grads_t, strict=True):
-        np.testing.assert_array_equal(np.asarray(g_m), np.asarray(g_t))
-    assert_close(value_m, value_t, rtol=1e-3, name="loss")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["triton", "auto"])
 def test_gpu_headdim_80_dstate_256(impl):
     """``auto`` routes what the Mosaic kernel does not take (head dim 80) to Triton."""

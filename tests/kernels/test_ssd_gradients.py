@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,15 @@ import pallas_kernels as pk
 from pallas_kernels import chunk_metadata, max_chunks_for
 from pallas_kernels.metadata import ChunkMetadata
 from pallas_kernels.ssd import api as ssd_api
+from pallas_kernels.ssd import mosaic as ssd_mosaic
+from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.ssd import triton_config as ssd_config
 from pallas_kernels.ssd import triton_vjp as ssd_vjp
 from pallas_kernels.testing import assert_close, relative_error, ssd_oracle, vjp_errors
 from tests.helpers import (
     as_f32,
+    implementations,
     lower_for_cuda,
     normal,
     pallas_call_names,
@@ -493,11 +497,79 @@ def test_internal_ssd_backward_kernels_lower_for_cuda():
             assert name in text, name
 
 
+def test_internal_mosaic_gradients_lower_for_cuda():
+    """Under differentiation the Mosaic backend's forward stays Mosaic and writes the Triton
+    backward's residuals: the state scan storing every chunk's carried state, the chunk
+    scan, and its fp32 ``y_ssm`` pass (the only pass without D and z); no Triton forward
+    stage but C·Bᵀ. G 8 with one head per group takes the Triton state scan."""
+    for T, num_seqs, heads, groups, cs, gated, with_D, mosaic_states in (
+        (1024, 3, 8, 1, 256, True, True, True),
+        (512, 2, 8, 8, 128, False, False, False),
+    ):
+        max_chunks = max_chunks_for(T, num_seqs, cs)
+
+        def vjp(*args, cs=cs):
+            *primals, cu, seq, last, num, dy, dstates = args
+            metadata = ChunkMetadata(cu, seq, last, num, chunk_size=cs)
+            f = functools.partial(
+                ssd_mosaic.ssd_scan,
+                metadata=metadata,
+                chunk_size=cs,
+                dt_softplus=True,
+                dt_limit=(0.0, math.inf),
+                return_intermediate_states=False,
+                state_dtype=jnp.float32,
+                config=ssd_mosaic_config.BlockSizes(),
+            )
+
+            def scan(x, dt, A, B, C, D, z, dt_bias):
+                return f(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=None)
+
+            outputs, pullback = jax.vjp(scan, *primals)
+            return outputs, pullback((dy, dstates))
+
+        f32, i32 = jnp.float32, jnp.int32
+        text = lower_for_cuda(
+            vjp,
+            spec((T, heads, 64)),
+            spec((T, heads)),
+            spec((heads,), f32),
+            spec((T, groups, 128)),
+            spec((T, groups, 128)),
+            spec((heads,), f32) if with_D else None,
+            spec((T, heads, 64)) if gated else None,
+            spec((heads,), f32),
+            spec((max_chunks + 1,), i32),
+            spec((max_chunks,), i32),
+            spec((num_seqs,), i32),
+            spec((), i32),
+            spec((T, heads, 64)),
+            spec((num_seqs, heads, 64, 128), f32),
+        )
+        kernels = set(re.findall(r"ssd_[a-z0-9_]+", text))
+        chunk_scans = {
+            k for k in kernels if re.fullmatch(r"ssd_mosaic_chunk_scan_\w+_zero0(_ssm)?", k)
+        }
+        expected = {"_ssm"} | ({""} if with_D or gated else set())
+        assert {k[k.index("zero0") + 5 :] for k in chunk_scans} == expected, kernels
+        state_scan = "ssd_mosaic_state_scan_cs" if mosaic_states else "ssd_state_scan_cs"
+        assert any(k.startswith(state_scan) for k in kernels), kernels
+        assert not any(k.startswith("ssd_chunk_scan_cs") for k in kernels), kernels
+        assert not any("skip1" in k for k in kernels), kernels
+        for name in ("ssd_chunk_cb", "ssd_bwd_state_pass", "ssd_bwd_chunk_dx", "ssd_bwd_chunk_dbc"):
+            assert any(k.startswith(name) for k in kernels), (name, kernels)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
 @pytest.mark.parametrize("groups, chunk_size", [(1, 256), (8, 128)])
-def test_gpu_ssd_gradients_real_size(groups, chunk_size):
+def test_gpu_ssd_gradients_real_size(impl, groups, chunk_size):
     """T 4096 in three sequences (one continued from a state), H 8, P 64, N 128, bf16:
-    every gradient against the xla path's jax.grad of the same inputs in fp32."""
+    every gradient against the xla path's jax.grad of the same inputs in fp32; the
+    kernels' inputs carry NaN in the 5 bucket rows past the sequences, whose gradients must
+    come back 0 (G 8 has one head per group: the Mosaic backend's Triton state scan)."""
+    if impl not in implementations(ssd_api.SSD_SCAN):
+        pytest.skip(f"{impl} does not run on this machine")
     lengths, heads, head_dim, state_dim = (2000, 1500, 591), 8, 64, 128
     qsl = query_start_loc(lengths)
     T = int(qsl[-1]) + 5
@@ -550,7 +622,20 @@ def test_gpu_ssd_gradients_real_size(groups, chunk_size):
 
         return jax.vjp(f, *primals)[1](cotangents)
 
-    got = grads("triton", primals, cotangents)
+    tail = jnp.arange(T) >= int(qsl[-1])
+
+    def poisoned(a):  # the per-token inputs (x, dt, B, C, z) get NaN bucket rows
+        mask = tail.reshape((T,) + (1,) * (a.ndim - 1))
+        return jnp.where(mask, jnp.asarray(jnp.nan, a.dtype), a)
+
+    per_token = (0, 1, 3, 4, 6)
+    got = grads(
+        impl,
+        tuple(poisoned(p) if i in per_token else p for i, p in enumerate(primals)),
+        cotangents,
+    )
+    for i in per_token:
+        np.testing.assert_array_equal(as_f32(got[i])[np.asarray(tail)], 0.0, err_msg=NAMES[i])
     wide = tuple(p.astype(f32) for p in primals)
     with jax.default_matmul_precision("highest"):
         ref = grads("xla", wide, tuple(c.astype(f32) for c in cotangents))
