@@ -75,6 +75,7 @@ import argparse
 import collections
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -362,7 +363,9 @@ def _startup_probe(
     cfg: HybridConfig, dtype: Any, options: dict[str, Any], buckets: list[list[int]]
 ) -> None:
     """In a fresh process (``--startup-probe``): the model, the engine and the warm-up of
-    ``buckets``, timed apart; one ``STARTUP {json}`` line on stdout."""
+    ``buckets``, timed apart; one ``STARTUP {json}`` line on stdout, after the engine's
+    warm-up log (its lines on stderr)."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     start = time.perf_counter()
     _, engine = _build(cfg, dtype, options)
     jax.block_until_ready(engine.runner.caches)
@@ -395,6 +398,9 @@ def startup(
         done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode:
             raise RuntimeError(f"start-up probe ({stage}) failed:\n{done.stderr[-4000:]}")
+        # The engine's warm-up log: lowering against compiling, program by program.
+        warmup_log = [line for line in done.stderr.splitlines() if "warmup:" in line]
+        print("\n".join(warmup_log), flush=True)
         line = next(line for line in done.stdout.splitlines() if line.startswith("STARTUP "))
         result[stage] = json.loads(line.removeprefix("STARTUP "))
         print(

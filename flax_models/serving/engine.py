@@ -366,13 +366,21 @@ class Engine:
 
         steps = [self.builder.dummy(*bucket) for bucket in buckets]
         with concurrent.futures.ThreadPoolExecutor(compile_workers) as pool:
-            compiles = []
+            compiles, lowering_s = [], 0.0
             for bucket, arrays in zip(buckets, steps, strict=True):
+                began = time.perf_counter()
                 lowered = self.runner.lower_step(arrays, *self.scheduler.direct_step_extras(arrays))
+                lowering_s += time.perf_counter() - began
                 compiles.append(pool.submit(compile_step, bucket, lowered))
+            logger.info(
+                "warmup: traced and lowered %d step program(s) in %.1f s (the main thread)",
+                len(buckets),
+                lowering_s,
+            )
             for done in compiles:
                 done.result()  # (a compile's error, raised here)
             bar.close()
+            logger.info("warmup: step programs compiled at %.1f s", time.perf_counter() - start)
             # Each step runs once (the executables compiled above); the samplers of each
             # row count are lowered on its logits and compiled in the same threads.
             warmed, compiles = set(), []
