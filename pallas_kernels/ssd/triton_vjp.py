@@ -649,6 +649,8 @@ def ssd_scan_backward(
     ddt_raw = ddt_prime * passed
     if dt_softplus:
         ddt_raw = ddt_raw * jax.nn.sigmoid(v)
+    # Rows past the chunks may hold anything (NaN bucket rows): select, since 0 * NaN is NaN.
+    ddt_raw = jnp.where(live[:, None], ddt_raw, 0.0)
 
     def rows_summed(part):  # [splits, T, G, bn] -> [T, G, N], rows past the chunks 0
         total = jnp.sum(part, axis=0)[..., : s.state_dim]

@@ -258,6 +258,29 @@ def test_ssd_gradient_at_the_dt_limit_splits_as_xla():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_ssd_gradients_ignore_nan_bucket_rows(impl):
+    """NaN in the bucket rows past the sequences (x, dt, B, C, z there) changes no
+    gradient: every one equals the clean inputs' bit for bit, the tail rows' are 0."""
+    primals, metadata, qsl = _inputs(8)
+    total = int(qsl[-1])
+
+    def poisoned(a):
+        return a.at[total:].set(jnp.nan)
+
+    dirty = tuple(poisoned(p) if i in (0, 1, 3, 4, 6) else p for i, p in enumerate(primals))
+    rng = np.random.default_rng(9)
+    cotangents = (normal(rng, primals[0].shape), normal(rng, (len(LENGTHS), H, P, N)))
+    options = dict(dt_softplus=True, dt_limit=DT_LIMIT)
+    live = (True,) * 9
+    clean = _grads(impl, metadata, primals, cotangents, live, **options)
+    got = _grads(impl, metadata, dirty, cotangents, live, **options)
+    for name, g, ref in zip(NAMES, got, clean, strict=True):
+        np.testing.assert_array_equal(as_f32(g), as_f32(ref), err_msg=name)
+    for i in (0, 1, 3, 4, 6):
+        np.testing.assert_array_equal(as_f32(got[i])[total:], 0.0, err_msg=NAMES[i])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_ssd_gradients_intermediate_states(impl):
     """Cotangents of the states after every chunk (padding chunks' are ignored); D[H], no
     z, no dt_bias."""
@@ -639,6 +662,10 @@ def test_gpu_ssd_gradients_real_size(impl, groups, chunk_size):
     wide = tuple(p.astype(f32) for p in primals)
     with jax.default_matmul_precision("highest"):
         ref = grads("xla", wide, tuple(c.astype(f32) for c in cotangents))
+    errors = {}
     for name, g, p, r in zip(NAMES, got, primals, ref, strict=True):
         assert g.dtype == p.dtype, name
+        errors[name] = relative_error(as_f32(g), as_f32(r))
         assert_close(as_f32(g), as_f32(r), rtol=_bf16_tol(name), name=f"{name} vs xla")
+    # (-s shows them: the relative error per input, for the notes)
+    print(f"{impl} G{groups} chunk {chunk_size}:", {k: f"{v:.2e}" for k, v in errors.items()})
