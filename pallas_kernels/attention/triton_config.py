@@ -5,7 +5,7 @@ that no kernel file imports another's.
 * :class:`BlockSizes` (prefill and decode tiles) and :func:`default_block_sizes`, its
   heuristic, with the shared-memory estimates it keeps the pipelines within;
   :class:`BackwardBlockSizes` and :func:`default_backward_block_sizes`, the backward's,
-  derived from the forward's.
+  derived from the forward's (:func:`dkv_smem_bytes` its dK/dV program's estimate).
 * :class:`AttentionShapes`: the static sizes of one call.
 * :func:`supports`, :func:`check_paged_block_sizes`, :func:`check_backward_block_sizes`:
   what a call or a config must satisfy.
@@ -199,11 +199,31 @@ def default_backward_block_sizes(
         dkv_num_warps=fwd.num_warps,
         dkv_num_stages=2,
     )
-    rows = fwd.block_q * next_power_of_2(group)
-    smem = (2 * dkv_block_k + 2 * 2 * rows) * block_dim(head_dim, MIN_DOT_DIM)
-    if smem * jnp.dtype(dtype).itemsize > _SMEM_BUDGET_BYTES:
-        blocks = dataclasses.replace(blocks, dkv_num_stages=1)
+    # Fewer stages, then fewer keys, while the dK/dV program passes the budget (fp32).
+    while dkv_smem_bytes(blocks, group=group, head_dim=head_dim, dtype=dtype) > _SMEM_BUDGET_BYTES:
+        if blocks.dkv_num_stages > 1:
+            blocks = dataclasses.replace(blocks, dkv_num_stages=blocks.dkv_num_stages - 1)
+        elif blocks.dkv_block_k > MIN_DOT_DIM:
+            blocks = dataclasses.replace(blocks, dkv_block_k=blocks.dkv_block_k // 2)
+        else:
+            break
     return blocks
+
+
+def dkv_smem_bytes(blocks: BackwardBlockSizes, *, group: int, head_dim: int, dtype) -> int:
+    """Shared memory of a dK/dV program (an estimate): its K and V tiles, ``dkv_num_stages``
+    Q and dO tiles, and for 4-byte inputs the P and dS tiles ``[dkv_block_k, rows]`` that
+    Triton stages there as the fp32 products' operands. On an H200 an fp32 train step asked
+    for 321 KiB at D 64, 128 keys, 128 rows, two stages (192 KiB of tiles plus 2 x 64 KiB;
+    2026-12-02); 16-bit operands stay in registers (128 keys, 128 rows, two stages at
+    D 128 bf16 run)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    rows = blocks.dkv_block_q * next_power_of_2(group)
+    tiles = (2 * blocks.dkv_block_k + 2 * blocks.dkv_num_stages * rows) * block_dim(
+        head_dim, MIN_DOT_DIM
+    )
+    operands = 2 * blocks.dkv_block_k * rows if itemsize == 4 else 0
+    return (tiles + operands) * itemsize
 
 
 def check_backward_block_sizes(b: BackwardBlockSizes, *, group: int, page_size: int | None) -> None:
