@@ -44,8 +44,10 @@ alone) is given beside it.
 Start-up (``--startup``): the programs the trace uses (its step buckets, from the analysis
 below) compiled by ``Engine.warmup(buckets=...)`` in a fresh process, twice: first from an
 empty JAX persistent compilation cache (``startup.cold``), then with the cache that run
-filled (``startup.warm``, what a restarted server pays). Each probe reports the model's
-initialisation and the warm-up apart. The measured process then takes the filled cache.
+filled (``startup.warm``, what a restarted server pays), each with the engine's executable
+cache beside it (``<cache>/executables``: a warm start loads the step programs untraced).
+Each probe reports the model's initialisation and the warm-up apart. The measured process
+then takes the filled cache.
 
 Bucket policy analysis (``bucket_analysis``, printed and stored as ``bucket_policies``;
 the JSON is written once it is done, so a run cut short keeps it): for pow2, sqrt2 and
@@ -366,6 +368,10 @@ def _startup_probe(
     ``buckets``, timed apart; one ``STARTUP {json}`` line on stdout, after the engine's
     warm-up log (its lines on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    # The compiled step programs beside the compilation cache, as the server keeps them.
+    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if cache_dir:
+        options = dict(options, executable_cache_dir=os.path.join(cache_dir, "executables"))
     start = time.perf_counter()
     _, engine = _build(cfg, dtype, options)
     jax.block_until_ready(engine.runner.caches)
@@ -373,7 +379,11 @@ def _startup_probe(
     start = time.perf_counter()
     programs = engine.warmup(buckets=[tuple(b) for b in buckets], progress=False)
     warmup_s = time.perf_counter() - start
-    print("STARTUP " + json.dumps(dict(init_s=init_s, warmup_s=warmup_s, programs=programs)))
+    loaded = engine.runner.loaded_count
+    print(
+        "STARTUP "
+        + json.dumps(dict(init_s=init_s, warmup_s=warmup_s, programs=programs, loaded=loaded))
+    )
 
 
 def startup(
@@ -405,7 +415,8 @@ def startup(
         result[stage] = json.loads(line.removeprefix("STARTUP "))
         print(
             f"start-up ({stage} compilation cache): init {result[stage]['init_s']:.1f} s, "
-            f"warm-up {result[stage]['warmup_s']:.1f} s ({result[stage]['programs']} programs)",
+            f"warm-up {result[stage]['warmup_s']:.1f} s ({result[stage]['programs']} programs "
+            f"compiled, {result[stage]['loaded']} step programs loaded)",
             flush=True,
         )
     return result

@@ -1,7 +1,8 @@
 """``python -m flax_models.serve MODEL``: an OpenAI-compatible server for a checkpoint.
 
 Loads ``LLM(MODEL)``, compiles every step program (``engine.warmup()``; JAX's persistent
-compilation cache makes later starts quick), then serves ``/v1/completions``,
+compilation cache and the compiled step programs kept beside it make later starts quick),
+then serves ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` on FastAPI +
 uvicorn (``flax_models.serving.server``) until SIGINT or SIGTERM. It logs "ready" once it
 accepts requests. ``--help`` lists the options; docs/serving.md has examples.
@@ -48,10 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             error,
         )
         return 2
+    options = cli_args.engine_options(args)
     if not args.no_compilation_cache:
-        enable_compilation_cache(
-            args.compilation_cache_dir or cli_args.default_compilation_cache_dir()
-        )
+        cache_dir = args.compilation_cache_dir or cli_args.default_compilation_cache_dir()
+        enable_compilation_cache(cache_dir)
+        if not args.no_executable_cache:  # the step programs, loaded untraced next time
+            options["executable_cache_dir"] = cache_dir / "executables"
     watchdog = None
     if args.parent_pid is not None:
         watchdog = api_server.ParentWatchdog(args.parent_pid)
@@ -67,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         seed=args.seed,
         load_format=args.load_format,
-        **cli_args.engine_options(args),
+        **options,
     )
     logger.info(
         "loaded %s in %.1f s: max_model_len %d, %d slots",

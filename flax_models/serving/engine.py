@@ -36,6 +36,7 @@ import pallas_kernels as pk
 from flax_models.batch import StateSnapshots
 from flax_models.model import HybridLM
 from flax_models.serving.batching import BatchBuilder, StepArrays
+from flax_models.serving.executables import ExecutableCache
 from flax_models.serving.inputs import check_buckets, check_eos_ids, check_prompts, check_sampling
 from flax_models.serving.loop import RequestLoop
 from flax_models.serving.output_processor import OutputProcessor
@@ -93,6 +94,10 @@ class Engine:
         model with Mamba layers; H·P·N·4 bytes per Mamba layer each): ``2 * max_slots`` by
         default (divisible by dp with dp slot groups: each group gets an equal share).
         Least recently used snapshots are overwritten first.
+      executable_cache_dir: a directory where ``warmup`` keeps the compiled step programs
+        (``serving.executables``): a later engine of the same model, options and library
+        code on the same devices loads them instead of tracing, lowering and compiling
+        them. None (the default): no such cache.
 
     Attributes:
       scheduler: the ``Scheduler`` (admission, slots, step plans); ``runner``: the
@@ -121,6 +126,7 @@ class Engine:
         tokenizer=None,
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
+        executable_cache_dir: str | os.PathLike | None = None,
     ):
         max_slots = pk.check_int("max_slots", max_slots, low=1)
         groups = dp_size(model.mesh)  # the slot groups, one per "dp" index of the mesh
@@ -218,7 +224,10 @@ class Engine:
             stats=self._stats,
         )
         self.blocks = self.scheduler.blocks
-        self.runner = StepRunner(model, self.builder, self.blocks)
+        executables = None
+        if executable_cache_dir is not None:
+            executables = ExecutableCache(executable_cache_dir)
+        self.runner = StepRunner(model, self.builder, self.blocks, executables)
         self.eos_token_ids = check_eos_ids(eos_token_ids)
         self.loop = RequestLoop(
             self.scheduler,
@@ -332,10 +341,12 @@ class Engine:
         The step programs are traced one after another and compiled in
         ``compile_workers`` threads at once (XLA compiles outside the GIL; None: up to 8,
         and no more than the CPU cores), then each runs once, and the samplers of each of
-        their row counts are lowered on its logits and compiled in the same threads. Logs
-        a line per step program
-        (``logging``, this module's logger); ``progress``: a bar on stderr (None: on a
-        terminal)."""
+        their row counts are lowered on its logits and compiled in the same threads. With
+        an ``executable_cache_dir``, a step program found there is loaded instead (not
+        traced, lowered or compiled, nor counted in ``compile_count``: see
+        ``runner.loaded_count``), and one compiled is written there. Logs a line per step
+        program (``logging``, this module's logger); ``progress``: a bar on stderr (None: on
+        a terminal)."""
         grid = self.builder.buckets()
         if buckets is None:
             buckets = grid
@@ -354,9 +365,9 @@ class Engine:
         start, before = time.perf_counter(), self.compile_count
         bar = progress_bar(len(buckets), enabled=progress, desc="compiling", unit="program")
 
-        def compile_step(bucket: tuple[int, int], lowered: jax.stages.Lowered) -> None:
+        def compile_step(bucket: tuple[int, int], arrays: StepArrays, extras, lowered) -> None:
             began = time.perf_counter()
-            lowered.compile()
+            self.runner.keep_step(arrays, *extras, lowered.compile())
             logger.info(
                 "warmup: compiled the step of %d decode rows + %d prompt tokens in %.2f s",
                 *bucket,
@@ -366,15 +377,27 @@ class Engine:
 
         steps = [self.builder.dummy(*bucket) for bucket in buckets]
         with concurrent.futures.ThreadPoolExecutor(compile_workers) as pool:
-            compiles, lowering_s = [], 0.0
+            compiles, lowering_s, loaded = [], 0.0, 0
             for bucket, arrays in zip(buckets, steps, strict=True):
                 began = time.perf_counter()
-                lowered = self.runner.lower_step(arrays, *self.scheduler.direct_step_extras(arrays))
+                extras = self.scheduler.direct_step_extras(arrays)
+                if self.runner.load_step(arrays, *extras):
+                    loaded += 1
+                    bar.update(1)
+                    continue
+                lowered = self.runner.lower_step(arrays, *extras)
                 lowering_s += time.perf_counter() - began
-                compiles.append(pool.submit(compile_step, bucket, lowered))
+                compiles.append(pool.submit(compile_step, bucket, arrays, extras, lowered))
+            if loaded:
+                logger.info(
+                    "warmup: loaded %d step program(s) from %s in %.1f s",
+                    loaded,
+                    self.runner.executable_cache.directory,
+                    time.perf_counter() - start,
+                )
             logger.info(
                 "warmup: traced and lowered %d step program(s) in %.1f s (the main thread)",
-                len(buckets),
+                len(compiles),
                 lowering_s,
             )
             for done in compiles:

@@ -28,6 +28,7 @@ from flax_models.batch import StateSnapshots, make_forward_batch, make_grouped_f
 from flax_models.cache import cache_specs, init_cache, restore_snapshots
 from flax_models.model import HybridLM
 from flax_models.serving.batching import FROM_DEVICE, BatchBuilder, StepArrays
+from flax_models.serving.executables import ExecutableCache, canonical
 from flax_models.serving.prefix_cache import BlockManager, GroupedBlockManager
 from flax_models.serving.sampling import (
     MAX_LOGPROBS,
@@ -65,6 +66,8 @@ class StepRunner:
         the sampler's two per count of sequence rows.
       step_program: the jitted step (``jax.jit`` of ``step_function``), as called for the
         steps XLA compiles without options of their own.
+      executable_cache: where compiled step programs are kept across processes (None:
+        nowhere); ``loaded_count`` the step programs loaded from it.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class StepRunner:
         model: HybridLM,
         builder: BatchBuilder,
         blocks: BlockManager | GroupedBlockManager,
+        executable_cache: ExecutableCache | None = None,
     ):
         self.cfg = model.cfg
         self.builder = builder
@@ -100,6 +104,12 @@ class StepRunner:
         # Log-probabilities are a program of their own too, launched only for steps where
         # some row asks for them.
         self.logprobs_program = jax.jit(self._logprobs)
+        # Step programs compiled by ``keep_step`` or loaded by ``load_step``, by
+        # ``_signature``: a launch runs them without tracing the step again.
+        self.executable_cache = executable_cache
+        self.loaded_count = 0
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
+        self._missing: dict[tuple, str] = {}  # the keys load_step found no entry for
 
     def load_params(self, model: HybridLM) -> None:
         """Takes ``model``'s parameters for the next steps. The parameters travel to every
@@ -108,6 +118,7 @@ class StepRunner:
         step's launch."""
         self._graphdef, params = nnx.split(model)
         self.param_leaves, self._param_tree = jax.tree.flatten(params)
+        self._model_text = None  # the graph definition's text, for executable-cache keys
 
     def _init_cache(self):
         return init_cache(
@@ -312,6 +323,86 @@ class StepRunner:
         args, kwargs = self.step_arguments(arrays, restore_ids, snapshots)
         return self.program(arrays).lower(*args, **kwargs)
 
+    @staticmethod
+    def _signature(arrays: StepArrays, restore_ids, snapshots) -> tuple:
+        """What tells the step programs apart: the step arrays' shapes and dtypes and
+        ``num_decode`` (the parameters, caches and tables never change theirs)."""
+        steps = (arrays.tokens, arrays.query_start_loc, arrays.num_computed_tokens)
+        leaves, tree = jax.tree.flatten((steps, arrays.slot_ids, restore_ids, snapshots))
+        shapes = tuple((np.shape(a), np.dtype(getattr(a, "dtype", type(a)))) for a in leaves)
+        return shapes, str(tree), arrays.num_decode
+
+    def _cache_key(self, arrays: StepArrays, restore_ids, snapshots) -> str:
+        """The executable cache's key of this step program: besides the environment
+        (``ExecutableCache.key``), the model's graph definition and every argument's
+        shape, dtype and sharding, ``num_decode`` and XLA's options."""
+        args, kwargs = self.step_arguments(arrays, restore_ids, snapshots)
+        leaves, tree = jax.tree.flatten(args)
+        avals = [
+            (np.shape(a), str(getattr(a, "dtype", type(a))), getattr(a, "sharding", None))
+            for a in leaves
+        ]
+        options = step_compiler_options(self._mesh, arrays.tokens.shape[0] // arrays.groups)
+        if self._model_text is None:  # (a 9B model's graph definition is long: once)
+            self._model_text = canonical(self._graphdef)
+        # A sharding's repr names its mesh's axes, not which device holds which index.
+        devices = [d.id for d in self._execution_devices()]
+        return self.executable_cache.key(
+            "step", self._model_text, devices, tree, avals, kwargs, sorted((options or {}).items())
+        )
+
+    def _execution_devices(self) -> list[jax.Device]:
+        """The devices a step program runs on, in its device assignment's order: the
+        mesh's, or the one holding the parameters."""
+        if self._mesh is not None:
+            return list(self._mesh.devices.flat)
+        return sorted(self.param_leaves[0].sharding.device_set, key=lambda d: d.id)
+
+    def _uses_executable_cache(self) -> bool:
+        # Several processes would each load their part of a program: not supported here.
+        return self.executable_cache is not None and jax.process_count() == 1
+
+    def load_step(
+        self,
+        arrays: StepArrays,
+        restore_ids: np.ndarray | None = None,
+        snapshots: StateSnapshots | None = None,
+    ) -> bool:
+        """Whether the executable cache held the step program of ``arrays`` (now loaded:
+        its launches run it, untraced). Call it before ``keep_step`` of such a step, on
+        the thread that launches steps (the key reads the device arrays)."""
+        if not self._uses_executable_cache():
+            return False
+        signature = self._signature(arrays, restore_ids, snapshots)
+        key = self._cache_key(arrays, restore_ids, snapshots)
+        compiled = self.executable_cache.load(key, self._execution_devices())
+        if compiled is None:
+            self._missing[signature] = key  # for keep_step, maybe on a compile thread
+            return False
+        self._executables[signature] = compiled
+        self.loaded_count += 1
+        return True
+
+    def keep_step(
+        self,
+        arrays: StepArrays,
+        restore_ids: np.ndarray | None,
+        snapshots: StateSnapshots | None,
+        compiled: jax.stages.Compiled,
+    ) -> None:
+        """``compiled`` (``lower_step(arrays, ...).compile()``) runs the launches of such
+        steps from now on, and is written to the executable cache. Without one, nothing:
+        the jitted step finds its compiled program itself. Thread-safe after
+        ``load_step`` of the same step."""
+        if not self._uses_executable_cache():
+            return
+        signature = self._signature(arrays, restore_ids, snapshots)
+        key = self._missing.pop(signature, None)
+        if key is None:
+            key = self._cache_key(arrays, restore_ids, snapshots)
+        self._executables[signature] = compiled
+        self.executable_cache.store(key, compiled)
+
     # ------------------------------------------------------------------------ launching
 
     def launch(
@@ -330,7 +421,13 @@ class StepRunner:
         ``recover``."""
         draws, restricts = sampler_flags(sampling, self.cfg.vocab_size)
         args, kwargs = self.step_arguments(arrays, restore_ids, snapshots)
-        logits, self.caches, tokens, self.slot_tokens = self.program(arrays)(*args, **kwargs)
+        compiled = None
+        if self._executables:
+            compiled = self._executables.get(self._signature(arrays, restore_ids, snapshots))
+        if compiled is not None:  # (its static num_decode is compiled in)
+            logits, self.caches, tokens, self.slot_tokens = compiled(*args)
+        else:
+            logits, self.caches, tokens, self.slot_tokens = self.program(arrays)(*args, **kwargs)
         if draws:  # else the step's argmax is every row's token
             tokens = self.launch_sampler(logits, arrays.slot_ids, sampling, restricts=restricts)
         return logits, tokens, self.logprobs_program(logits, tokens) if logprobs else None

@@ -48,7 +48,7 @@ _LOGIT_CASES = {
 }
 
 _SCRIPT = r"""
-import json, sys, time
+import json, sys, tempfile, time
 start = time.perf_counter()
 def lap(what):
     print(f"{what}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -155,6 +155,16 @@ out["generate"] = [Engine(single, **options).generate(prompts, 6), engine.genera
 compiled = engine.compile_count
 out["generate"].append(engine.generate(prompts, 6))
 out["compiles"] = [compiled, engine.compile_count]
+# The executable cache on the mesh: a second engine loads the tp = 2 step programs the
+# first compiled (their shardings and device assignment with them) and gives its tokens.
+with tempfile.TemporaryDirectory() as executables:
+    kept = Engine(sharded, **options, executable_cache_dir=executables)
+    kept.warmup(progress=False)
+    again = Engine(sharded, **options, executable_cache_dir=executables)
+    again.warmup(progress=False)
+    out["executables"] = [
+        len(again.builder.buckets()), again.runner.loaded_count, again.generate(prompts, 6)
+    ]
 # Prefix caching on the mesh: the prompts again after themselves hit their cached blocks
 # (pages and Mamba snapshots sharded like the caches) and give the same tokens.
 cached = Engine(sharded, **options, prefix_caching=True)  # blocks of one chunk (16)
@@ -416,6 +426,8 @@ def test_a_sharded_load_reads_each_shard_from_the_files(results):
 def test_engine_generates_the_single_device_tokens(results):
     single, sharded, again = results["generate"]
     assert sharded == single == again
+    buckets, loaded, from_cache = results["executables"]
+    assert loaded == buckets and from_cache == single  # tp = 2 programs loaded from disk
     first, second = results["compiles"]
     assert second == first  # the second generation compiled nothing
     assert results["plain_program"] == [True, False]  # 1 row plain, 64 rows split-K off

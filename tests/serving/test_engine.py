@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -247,6 +251,74 @@ def test_no_compilation_after_warmup():
         engine.generate(random_prompts(rng, m.cfg.vocab_size, lengths), sampling=mixed)
     assert after_warmup == []
     assert engine.compile_count == compiled
+
+
+# An engine with prefix caching (its steps take the snapshot arguments too), greedy
+# tokens of three prompts; run here and, for the executable cache, in a fresh process.
+_CACHED_ENGINE = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from flax_models.checkpoint import load_hf_checkpoint
+from flax_models.serving.engine import Engine
+
+def run(directory, max_len=64):
+    m = load_hf_checkpoint(Path("tests/fixtures/bamba"), implementation="xla")
+    engine = Engine(m, max_slots=4, max_len=max_len, token_budget=16, prefix_caching=True,
+                    executable_cache_dir=directory)
+    engine.warmup(progress=False)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, m.cfg.vocab_size, size=n)] for n in (5, 17, 30)]
+    tokens = engine.generate(prompts, 6)
+    return dict(loaded=engine.runner.loaded_count, compiled=engine.compile_count,
+                steps=len(engine.builder.buckets()), tokens=tokens)
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(run(sys.argv[1])))
+"""
+
+
+def test_executable_cache_loads_the_step_programs_in_a_later_process(tmp_path):
+    """``executable_cache_dir``: the first engine compiles and writes every step program;
+    an engine in a fresh process loads them all (none traced or compiled: only the
+    samplers compile) and generates the same tokens; an unreadable entry is compiled
+    afresh and written again, and an engine of other cache shapes finds none of them."""
+    source = _CACHED_ENGINE.replace("tests/fixtures/bamba", str(FIXTURES / "bamba"))
+    script = tmp_path / "cached_engine.py"
+    script.write_text(source)
+    namespace = {"__name__": "cached_engine"}
+    exec(compile(source, str(script), "exec"), namespace)
+    directory = tmp_path / "executables"
+    first = namespace["run"](directory)
+    entries = sorted(directory.iterdir())
+    assert first["loaded"] == 0 and len(entries) == first["steps"]
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), JAX_PLATFORMS="cpu")
+
+    def later_process():
+        done = subprocess.run(
+            [sys.executable, str(script), str(directory)],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+        return json.loads(line.removeprefix("RESULT ")), done.stderr
+
+    later, _ = later_process()
+    assert later["loaded"] == later["steps"] == first["steps"]
+    assert later["compiled"] == first["compiled"] - first["steps"]  # the samplers only
+    assert later["tokens"] == first["tokens"]
+
+    entries[0].write_bytes(entries[0].read_bytes()[:100])  # truncated
+    again, log = later_process()
+    assert again["loaded"] == first["steps"] - 1 and "unreadable" in log
+    assert again["tokens"] == first["tokens"]
+    assert len(entries[0].read_bytes()) > 100  # written again
+    assert namespace["run"](directory, max_len=48)["loaded"] == 0
 
 
 @pytest.mark.parametrize(

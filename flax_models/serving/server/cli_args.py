@@ -166,7 +166,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--no-compilation-cache",
         action="store_true",
-        help="compile every program afresh (no persistent cache)",
+        help="compile every program afresh (no persistent cache, no executable cache)",
+    )
+    cache.add_argument(
+        "--no-executable-cache",
+        action="store_true",
+        help="keep the compilation cache but not the compiled step programs themselves "
+        "(DIR/executables: a later start loads them untraced)",
     )
     return parser
 
