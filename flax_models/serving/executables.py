@@ -8,7 +8,7 @@ executable itself (``jax.experimental.serialize_executable``) under a key comput
 without tracing: everything the step program is a function of.
 
 * The library's code: every ``.py`` file of ``flax_models`` and ``pallas_kernels``.
-* JAX and jaxlib's versions, the backend's platform and version, the devices' kinds and
+* JAX's, jaxlib's and Flax's versions, the backend's platform and version, the devices' kinds and
   ids, JAX's numerics flags (``jax_enable_x64``, ``jax_default_matmul_precision``) and
   ``XLA_FLAGS``.
 * What the caller adds (:meth:`ExecutableCache.key`): for a step, the model's graph
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import flax
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
@@ -78,7 +79,7 @@ def _environment() -> tuple[str, ...]:
     devices = ",".join(f"{d.id}:{d.device_kind}" for d in jax.devices())
     return (
         code_fingerprint(),
-        f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
+        f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__}",
         f"{client.platform} {client.platform_version}",
         devices,
         f"x64 {jax.config.jax_enable_x64} precision {jax.config.jax_default_matmul_precision}",
