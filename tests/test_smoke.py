@@ -114,6 +114,31 @@ def test_model_benchmark_keeps_rows_of_a_stopped_run(tmp_path, monkeypatch):
     ]
 
 
+def test_serving_schedule_runs_no_step(monkeypatch):
+    """The bucket analysis walks the trace's schedule on the host: no step program runs
+    (it once ran the tiny model's, 175 s of host time for the full trace), and its steps
+    are the ones an engine running them takes."""
+    from flax_models.serving.runner import StepRunner
+
+    spec = serving_benchmark.TRACES["quick"]
+    prompts, outputs = serving_benchmark.make_trace(100, spec)
+    lengths = [len(p) for p in prompts]
+    options = serving_benchmark.engine_options(True)
+    model = serving_benchmark._tiny_model()
+    block = model.cfg.mamba_chunk_size  # (the benchmark's KV block size)
+    real = serving_benchmark.Engine(model, kv_block_size=block, **options)
+    greedy = [serving_benchmark.SamplingParams(max_new_tokens=n, temperature=0.0) for n in outputs]
+    real.generate(prompts, sampling=greedy)
+
+    def launch(*args, **kwargs):
+        raise AssertionError("the schedule launched a step")
+
+    monkeypatch.setattr(StepRunner, "launch", launch)
+    buckets, stats, _ = serving_benchmark.schedule(lengths, outputs, options, block)
+    assert buckets == real.step_buckets
+    assert stats["prefill_tokens"] == real.stats["prefill_tokens"] == sum(lengths)
+
+
 def test_serving_benchmark_quick(tmp_path):
     """Start-up compiles the trace's programs in two fresh processes (the second loads
     them from the compilation and executable caches the first filled); the offline trace
