@@ -8,7 +8,8 @@ Models (``HybridConfig`` presets):
 blocks, 128 experts top-6), ``granite-4.0-h-small`` (MoE: hidden 4096, 40 layers, 72
 experts top-10 beside a shared MLP) and ``nemotron-h-56b`` (dense, 118 layers, 112 GB: two
 GPUs; decode at 1 and 64 rows only), one after the other. Rows, for each implementation in
-one run on the same weights: prefill tokens/s on 8 × 4096 and on a ragged batch, decode
+one run on the same weights: prefill tokens/s on 8 × 4096, on a ragged batch and on one
+1024-token prompt alone (the prefill an idle server's first token waits for), decode
 step time at 1, 64 and 256 rows with 4k tokens of context, and peak device memory. Steps
 are launched back to back, the host not waiting for one before launching the next, as
 ``Engine.stream`` runs them (it reads step n's tokens after launching step n + 1): a
@@ -230,10 +231,12 @@ def bench_model(
     )
     if args.quick:
         dense, ragged, context, decode_rows = (2, 32), [5, 40, 17], 48, (1, 4)
+        single = 24
     else:
         dense = (8, 4096)
         ragged = [int(n) for n in rng.integers(64, 8193, size=8)]
         context = 4096
+        single = 1024  # one prompt alone: the TTFT of a request on an idle server
     budget = max(dense[0] * dense[1], sum(ragged))
     # Prefill and decode each get an engine sized for them (slots, cache length, buckets):
     # a prefill step over a 256-sequence bucket would spend its memory on 248 empty
@@ -271,6 +274,11 @@ def bench_model(
             "prefill",
             [],
             [Request(s, list(rng.integers(0, cfg.vocab_size, n)), 0) for s, n in enumerate(ragged)],
+        ),
+        f"prefill-1x{single}": (
+            "prefill",
+            [],
+            [Request(0, list(rng.integers(0, cfg.vocab_size, single)), 0)],
         ),
     }
     for r in decode_rows:

@@ -110,7 +110,8 @@ def test_model_benchmark_keeps_rows_of_a_stopped_run(tmp_path, monkeypatch):
         model_benchmark.main(["--quick", "--implementations", "auto", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["problem"] for r in rows] == [
-        f"tiny/{case}" for case in ("prefill-2x32", "prefill-ragged", "decode-1x48", "decode-4x48")
+        f"tiny/{case}"
+        for case in ("prefill-2x32", "prefill-ragged", "prefill-1x24", "decode-1x48", "decode-4x48")
     ]
 
 
