@@ -97,6 +97,7 @@ from flax_models.config import HybridConfig
 from flax_models.model import HybridLM
 from flax_models.serving.batching import StepArrays
 from flax_models.serving.engine import DEFAULT_TOKEN_BUCKET_POLICY, Engine
+from flax_models.serving.executables import beside_compilation_cache
 from flax_models.serving.sampling import SamplingParams
 
 # The traces (see the module docstring). Prompt lengths: round(exp(N(log median, sigma²)))
@@ -360,7 +361,7 @@ def _startup_probe(
     # The compiled step programs beside the compilation cache, as the server keeps them.
     cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if cache_dir:
-        options = dict(options, executable_cache_dir=os.path.join(cache_dir, "executables"))
+        options = dict(options, executable_cache_dir=beside_compilation_cache(cache_dir))
     start = time.perf_counter()
     _, engine = _build(cfg, dtype, options)
     jax.block_until_ready(engine.runner.caches)

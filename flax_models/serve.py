@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache_dir = args.compilation_cache_dir or cli_args.default_compilation_cache_dir()
         enable_compilation_cache(cache_dir)
         if not args.no_executable_cache:  # the step programs, loaded untraced next time
-            options["executable_cache_dir"] = cache_dir / "executables"
+            from flax_models.serving.executables import beside_compilation_cache
+
+            options["executable_cache_dir"] = beside_compilation_cache(cache_dir)
     watchdog = None
     if args.parent_pid is not None:
         watchdog = api_server.ParentWatchdog(args.parent_pid)

@@ -119,7 +119,9 @@ def test_serving_schedule_runs_no_step(monkeypatch):
     """The bucket analysis walks the trace's schedule on the host: no step program runs
     (it once ran the tiny model's, 175 s of host time for the full trace), and its steps
     are the ones an engine running them takes."""
+    from flax_models.serving.engine import Engine
     from flax_models.serving.runner import StepRunner
+    from flax_models.serving.sampling import SamplingParams
 
     spec = serving_benchmark.TRACES["quick"]
     prompts, outputs = serving_benchmark.make_trace(100, spec)
@@ -127,8 +129,8 @@ def test_serving_schedule_runs_no_step(monkeypatch):
     options = serving_benchmark.engine_options(True)
     model = serving_benchmark._tiny_model()
     block = model.cfg.mamba_chunk_size  # (the benchmark's KV block size)
-    real = serving_benchmark.Engine(model, kv_block_size=block, **options)
-    greedy = [serving_benchmark.SamplingParams(max_new_tokens=n, temperature=0.0) for n in outputs]
+    real = Engine(model, kv_block_size=block, **options)
+    greedy = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in outputs]
     real.generate(prompts, sampling=greedy)
 
     def launch(*args, **kwargs):

@@ -39,7 +39,7 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-__all__ = ["ExecutableCache", "canonical", "code_fingerprint"]
+__all__ = ["ExecutableCache", "beside_compilation_cache", "canonical", "code_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,13 @@ _STORED: weakref.WeakValueDictionary[str, jax.stages.Compiled] = weakref.WeakVal
 _ADDRESS = re.compile(r"\s*(at )?0x[0-9a-fA-F]+")
 _PACKAGES = ("flax_models", "pallas_kernels")
 _SUFFIX = ".executable"
+
+
+def beside_compilation_cache(compilation_cache_dir: str | os.PathLike) -> Path:
+    """The executable cache's directory kept with JAX's compilation cache in
+    ``compilation_cache_dir``: its ``executables`` folder (the server's, and the start-up
+    benchmark's)."""
+    return Path(compilation_cache_dir) / "executables"
 
 
 @functools.cache
@@ -110,10 +117,10 @@ class ExecutableCache:
         """The executable stored under ``key``, loaded onto ``devices`` (those it was
         compiled for, in its device assignment's order); None when there is none or it
         cannot be loaded (logged)."""
-        compiled = _STORED.get(str(self.path(key)))
+        path = self.path(key)
+        compiled = _STORED.get(str(path))
         if compiled is not None:
             return compiled
-        path = self.path(key)
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             return serialize_executable.deserialize_and_load(
@@ -135,8 +142,9 @@ class ExecutableCache:
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as out:
                 partial = out.name
                 out.write(blob)
-            os.replace(partial, self.path(key))
-            _STORED[str(self.path(key))] = compiled
+            path = self.path(key)
+            os.replace(partial, path)
+            _STORED[str(path)] = compiled
         except Exception as error:
             if partial is not None:
                 Path(partial).unlink(missing_ok=True)

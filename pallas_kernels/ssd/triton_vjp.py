@@ -635,7 +635,7 @@ def ssd_scan_backward(
     # Back to packed rows, then the chain rule of dt' = clamp(softplus(dt + dt_bias)).
     T = x.shape[0]
     chunk, row, live = _token_chunks(metadata, T)
-    ddt_prime = jnp.where(live[:, None], ddt_chunks[:, chunk, row].T, 0.0)  # [T, H]
+    ddt_prime = ddt_chunks[:, chunk, row].T  # [T, H]; rows past the chunks selected below
     v = dt.astype(f32)
     if dt_bias is not None:
         v = v + dt_bias.astype(f32)
@@ -649,7 +649,7 @@ def ssd_scan_backward(
     ddt_raw = ddt_prime * passed
     if dt_softplus:
         ddt_raw = ddt_raw * jax.nn.sigmoid(v)
-    # Rows past the chunks may hold anything (NaN bucket rows): select, since 0 * NaN is NaN.
+    # Rows past the chunks: 0, selected last (their dt may be NaN, and 0 * NaN is NaN).
     ddt_raw = jnp.where(live[:, None], ddt_raw, 0.0)
 
     def rows_summed(part):  # [splits, T, G, bn] -> [T, G, N], rows past the chunks 0
