@@ -342,9 +342,9 @@ class Engine:
         ``compile_workers`` threads at once (XLA compiles outside the GIL; None: up to 8,
         and no more than the CPU cores), then each runs once, and the samplers of each of
         their row counts are lowered on its logits and compiled in the same threads. With
-        an ``executable_cache_dir``, a step program found there is loaded instead (not
-        traced, lowered or compiled, nor counted in ``compile_count``: see
-        ``runner.loaded_count``), and one compiled is written there. Logs a line per step
+        an ``executable_cache_dir``, a step program found there is loaded instead, in the
+        same threads (not traced, lowered or compiled, nor counted in ``compile_count``:
+        see ``runner.loaded_count``), and one compiled is written there. Logs a line per step
         program (``logging``, this module's logger); ``progress``: a bar on stderr (None: on
         a terminal)."""
         grid = self.builder.buckets()
@@ -377,17 +377,20 @@ class Engine:
 
         steps = [self.builder.dummy(*bucket) for bucket in buckets]
         with concurrent.futures.ThreadPoolExecutor(compile_workers) as pool:
-            compiles, lowering_s, loaded = [], 0.0, 0
-            for bucket, arrays in zip(buckets, steps, strict=True):
-                began = time.perf_counter()
-                extras = self.scheduler.direct_step_extras(arrays)
-                if self.runner.load_step(arrays, *extras):
-                    loaded += 1
-                    bar.update(1)
+            compiles, lowering_s = [], 0.0
+            extras = [self.scheduler.direct_step_extras(arrays) for arrays in steps]
+            found = self.runner.load_steps(
+                [(arrays, *e) for arrays, e in zip(steps, extras, strict=True)], pool
+            )
+            loaded = sum(found)
+            bar.update(loaded)
+            for bucket, arrays, extra, hit in zip(buckets, steps, extras, found, strict=True):
+                if hit:
                     continue
-                lowered = self.runner.lower_step(arrays, *extras)
+                began = time.perf_counter()
+                lowered = self.runner.lower_step(arrays, *extra)
                 lowering_s += time.perf_counter() - began
-                compiles.append(pool.submit(compile_step, bucket, arrays, extras, lowered))
+                compiles.append(pool.submit(compile_step, bucket, arrays, extra, lowered))
             if loaded:
                 logger.info(
                     "warmup: loaded %d step program(s) from %s in %.1f s",

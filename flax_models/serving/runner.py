@@ -15,7 +15,9 @@ each group runs on its own devices and share of the caches (``flax_models.shardi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import concurrent.futures
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -104,12 +106,12 @@ class StepRunner:
         # Log-probabilities are a program of their own too, launched only for steps where
         # some row asks for them.
         self.logprobs_program = jax.jit(self._logprobs)
-        # Step programs compiled by ``keep_step`` or loaded by ``load_step``, by
+        # Step programs compiled by ``keep_step`` or loaded by ``load_steps``, by
         # ``_signature``: a launch runs them without tracing the step again.
         self.executable_cache = executable_cache
         self.loaded_count = 0
         self._executables: dict[tuple, jax.stages.Compiled] = {}
-        self._missing: dict[tuple, str] = {}  # the keys load_step found no entry for
+        self._missing: dict[tuple, str] = {}  # the keys load_steps found no entry for
 
     def load_params(self, model: HybridLM) -> None:
         """Takes ``model``'s parameters for the next steps. The parameters travel to every
@@ -362,26 +364,33 @@ class StepRunner:
         # Several processes would each load their part of a program: not supported here.
         return self.executable_cache is not None and jax.process_count() == 1
 
-    def load_step(
+    def load_steps(
         self,
-        arrays: StepArrays,
-        restore_ids: np.ndarray | None = None,
-        snapshots: StateSnapshots | None = None,
-    ) -> bool:
-        """Whether the executable cache held the step program of ``arrays`` (now loaded:
-        its launches run it, untraced). Call it before ``keep_step`` of such a step, on
-        the thread that launches steps (the key reads the device arrays)."""
+        steps: Sequence[tuple[StepArrays, np.ndarray | None, StateSnapshots | None]],
+        pool: concurrent.futures.Executor | None = None,
+    ) -> list[bool]:
+        """For each ``(arrays, restore_ids, snapshots)``: whether the executable cache held
+        its step program (now loaded: its launches run it, untraced). The keys are built
+        on this thread (they read the device arrays), which must be the one that launches
+        steps; the entries are read and loaded in ``pool`` (deserialising a program and
+        loading its kernels onto the device mostly outside the GIL), one after another
+        without. Call it before ``keep_step`` of such a step."""
         if not self._uses_executable_cache():
-            return False
-        signature = self._signature(arrays, restore_ids, snapshots)
-        key = self._cache_key(arrays, restore_ids, snapshots)
-        compiled = self.executable_cache.load(key, self._execution_devices())
-        if compiled is None:
-            self._missing[signature] = key  # for keep_step, maybe on a compile thread
-            return False
-        self._executables[signature] = compiled
-        self.loaded_count += 1
-        return True
+            return [False] * len(steps)
+        devices = self._execution_devices()
+        keys = [(self._signature(*step), self._cache_key(*step)) for step in steps]
+        load = functools.partial(self.executable_cache.load, devices=devices)
+        if pool is None:
+            found = [load(key) for _, key in keys]
+        else:
+            found = list(pool.map(load, [key for _, key in keys]))
+        for (signature, key), compiled in zip(keys, found, strict=True):
+            if compiled is None:
+                self._missing[signature] = key  # for keep_step, maybe on a compile thread
+            else:
+                self._executables[signature] = compiled
+                self.loaded_count += 1
+        return [compiled is not None for compiled in found]
 
     def keep_step(
         self,
@@ -393,7 +402,7 @@ class StepRunner:
         """``compiled`` (``lower_step(arrays, ...).compile()``) runs the launches of such
         steps from now on, and is written to the executable cache. Without one, nothing:
         the jitted step finds its compiled program itself. Thread-safe after
-        ``load_step`` of the same step."""
+        ``load_steps`` of the same step."""
         if not self._uses_executable_cache():
             return
         signature = self._signature(arrays, restore_ids, snapshots)
