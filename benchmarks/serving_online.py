@@ -1,9 +1,9 @@
 """Online serving benchmark: Poisson arrivals at several rates through the HTTP server.
 
 ``python -m benchmarks.serving_online [--model DIR] [--url URL] [--rates R ...]
-[--requests N] [--serve-args "..."] [--out FILE] [--results-dir DIR] [--quick]``: the
-online counterpart of ``benchmarks.serving``'s offline trace, written to the same results
-file.
+[--requests N] [--serve-args "..."] [--server-log FILE] [--out FILE] [--results-dir DIR]
+[--quick]``: the online counterpart of ``benchmarks.serving``'s offline trace, written to the
+same results file.
 
 Like ``vllm bench serve``: an async HTTP client (httpx) sends streamed completions
 (``stream: true``, server-sent events) to ``/v1/completions`` of a server it starts itself
@@ -329,6 +329,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="requests per rate")
     parser.add_argument("--serve-args", default=None, help="options for flax_models.serve")
     parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids' range")
+    parser.add_argument("--server-log", default=None, help="the started server's log file")
     own, rest = parser.parse_known_args(argv)
     args = harness.parse_args(
         rest, "online serving (Poisson arrivals through the HTTP server)", module="serving",
@@ -368,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         serve_args += ["--served-model-name", name]
         if args.api_key:
             serve_args += ["--api-key", args.api_key]
-        log = Path(tempfile.mkdtemp(prefix="serving_online_")) / "server.log"
+        log = args.server_log or Path(tempfile.mkdtemp(prefix="serving_online_")) / "server.log"
+        log = Path(log)
         print(f"starting the server for {model} (log: {log})", flush=True)
         start = time.perf_counter()
         process, url = start_server(model, serve_args, log)

@@ -40,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Debug is for this library's own loggers (a line per engine step): JAX's would log
+    # every trace and compile.
+    logging.getLogger("jax").setLevel(max(logging.INFO, logging.getLogger().level))
     try:
         from flax_models.serving.server import api_server
     except ImportError as error:

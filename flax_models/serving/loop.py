@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -33,6 +34,8 @@ from flax_models.serving.sampling import SEED_LIMIT, SamplingParams
 from flax_models.serving.scheduler import Scheduler
 
 __all__ = ["RequestLoop"]
+
+logger = logging.getLogger(__name__)
 
 
 class RequestLoop:
@@ -172,7 +175,10 @@ class RequestLoop:
                 raise RuntimeError(self.scheduler.stall_reason(self.waiting[0]))
             return []
         tokens = np.asarray(pending.tokens)  # waits for the step
-        events = list(self.scheduler.land(pending, tokens, time.perf_counter(), self.running))
+        landed_at = time.perf_counter()
+        if logger.isEnabledFor(logging.DEBUG):
+            _log_step(pending, landed_at, waiting=len(self.waiting))
+        events = list(self.scheduler.land(pending, tokens, landed_at, self.running))
         for request in self.output_processor.process(pending, events, self.sequences):
             self._advanced[request.request_id] = request
         for event in events:
@@ -197,3 +203,23 @@ class RequestLoop:
             raise
         self.scheduler.commit(plan)
         return LaunchedStep(plan, tokens, launched_at, logprob_arrays)
+
+
+def _log_step(step: LaunchedStep, landed_at: float, *, waiting: int) -> None:
+    """One debug line per step: what it ran in which bucket, and when (the host's clock:
+    launched, and how long until its tokens were read)."""
+    arrays = step.plan.arrays
+    decode_bucket, token_bucket = arrays.bucket
+    decode = arrays.num_decode_requests
+    logger.debug(
+        "step: %d decode rows (bucket %d) + %d prompt tokens of %d sequences (bucket %d), "
+        "%d waiting; launched at %.4f s, tokens read %.1f ms later",
+        decode,
+        decode_bucket,
+        arrays.num_tokens - decode,
+        arrays.num_requests - decode,
+        token_bucket,
+        waiting,
+        step.launched_at,
+        (landed_at - step.launched_at) * 1e3,
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -593,3 +595,19 @@ def test_stats_split_decode_and_prefill_tokens_of_mixed_steps(small_engine):
     assert small_engine.stats["decode_tokens"] - before["decode_tokens"] == sum(
         len(g) - 1 for g in generated
     )
+
+
+def test_debug_log_has_a_line_per_step_with_its_buckets(small_engine, caplog):
+    # Prompts of 6 and 9 tokens over two slots and an 8-token budget: the first step is
+    # prefill only; later ones carry decode rows.
+    prompts = random_prompts(np.random.default_rng(3), model().cfg.vocab_size, (6, 9))
+    with caplog.at_level(logging.DEBUG, logger="flax_models.serving.loop"):
+        generated = small_engine.generate(prompts, 3)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step: ")]
+    steps = [
+        tuple(map(int, re.findall(r"(\d+) (?:decode rows|prompt tokens)", line))) for line in lines
+    ]
+    assert steps[0] == (0, 8)  # the budget's 8 prompt tokens, no decode row yet
+    assert sum(prompt for _, prompt in steps) == 6 + 9
+    assert sum(decode for decode, _ in steps) == sum(len(g) - 1 for g in generated)
+    assert all("bucket" in line and "ms later" in line for line in lines)
