@@ -100,9 +100,7 @@ class HybridConfig:
     # The config.json this config was read from (``from_hf``), kept so that a loaded
     # checkpoint saves back the same file (``save_hf_checkpoint``); None for a config built
     # here. Not compared or hashed: two configs of the same architecture are equal.
-    hf_config: Mapping[str, Any] | None = dataclasses.field(
-        default=None, compare=False, repr=False
-    )
+    hf_config: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.layer_pattern or set(self.layer_pattern) - set("M*-PE"):

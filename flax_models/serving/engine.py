@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 # padding 15.3% → 9.1% for 16 programs used instead of 11, and the ragged 22.5k-token
 # prefill runs in 23,184 tokens rather than multiples of 4096's 24,576.
 DEFAULT_TOKEN_BUCKET_POLICY: pk.metadata.TokenBucketPolicy = "sqrt2"
+# Prefill sequence rows of a step (Engine's max_prefill_seqs): each costs its per-sequence
+# work even as padding, and a step's token budget seldom holds more prompts than this.
+DEFAULT_MAX_PREFILL_SEQS = 16
 
 
 class Engine:
@@ -79,6 +82,12 @@ class Engine:
         (``pk.token_buckets(policy=DEFAULT_TOKEN_BUCKET_POLICY)``): a step's n prompt tokens
         run in at most ``max(16, ceil16(√2 n))``, for about ``2 log2(token_budget / 16)``
         buckets. The largest must hold ``token_budget`` tokens (a full prefill step).
+      max_prefill_seqs: prompts one step computes chunks of, at most (of each slot group;
+        >= 1); ``min(16, max_slots / dp)`` by default. Every step with prompt tokens
+        carries this many prefill sequence rows, padding ones included, and their
+        per-sequence work (states read and written, state-scan programs) is paid whether
+        or not a row is real: on an H200 a Bamba-9B prefill step with 256 such rows took
+        about 100 ms for a 1024-token bucket whose prompt alone runs in 33 ms (2026-12-02).
       kv_block_size: tokens per KV page (>= 1); the model's ``mamba_chunk_size`` by
         default (a field of configs without Mamba layers too). With prefix caching and
         Mamba layers, a multiple of the chunk size (states are saved at chunk ends).
@@ -119,6 +128,7 @@ class Engine:
         token_budget: int = 64,
         decode_buckets: Sequence[int] | None = None,
         token_buckets: Sequence[int] | None = None,
+        max_prefill_seqs: int | None = None,
         kv_block_size: int | None = None,
         num_kv_blocks: int | None = None,
         prefix_caching: bool = False,
@@ -180,6 +190,13 @@ class Engine:
         self.block_size = block_size
         self.prefix_caching = bool(prefix_caching)
         slots_per_group = max_slots // groups
+        max_prefill_seqs = pk.check_int(
+            "max_prefill_seqs",
+            min(DEFAULT_MAX_PREFILL_SEQS, slots_per_group)
+            if max_prefill_seqs is None
+            else max_prefill_seqs,
+            low=1,
+        )
         grouped = GroupedBlockManager(
             BlockManager(
                 num_pages=num_kv_blocks // groups,
@@ -211,7 +228,7 @@ class Engine:
                 covers=token_budget,
                 what="token_budget",
             ),
-            prefill_seqs=slots_per_group,
+            prefill_seqs=max_prefill_seqs,
             vocab_size=self.cfg.vocab_size,
             groups=groups,
         )

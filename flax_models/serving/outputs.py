@@ -64,7 +64,6 @@ class RequestOutput:
     finished: bool
 
 
-
 class TokenEvent(NamedTuple):
     """One generated token of ``Engine.stream``: request ``index`` (prompt order), the
     ``token``, and ``finish_reason`` when it is the request's last (``"stop"``: an eos or
@@ -101,9 +100,7 @@ class EventStream:
         self._events.close()
 
 
-def progress_bar(
-    total: int, *, enabled: bool | None, desc: str = "generate", unit: str = "tok"
-):
+def progress_bar(total: int, *, enabled: bool | None, desc: str = "generate", unit: str = "tok"):
     """A progress bar (``tqdm``) on stderr over ``total`` items; ``enabled=None`` shows it
     for long generations on a terminal (at least 256 tokens; any warm-up)."""
     from tqdm.auto import tqdm  # imported on first use: `import flax_models` needs no tqdm

@@ -240,12 +240,14 @@ class Scheduler:
             budgets[self._group(seq.slot)] -= 1
         budgets = [max(b, 0) for b in budgets]
         prefill: list[tuple[SequenceState, int]] = []
+        prompts = [self.builder.prefill_seqs] * self.builder.groups  # rows left per group
         for seq in live:
             group = self._group(seq.slot)
-            if not seq.prompt_done and budgets[group]:
+            if not seq.prompt_done and budgets[group] and prompts[group]:
                 count = min(len(seq.prompt) - seq.num_computed, budgets[group])
                 prefill.append((seq, count))
                 budgets[group] -= count
+                prompts[group] -= 1
         if not decode and not prefill:
             return None
         arrays = self.builder.build(

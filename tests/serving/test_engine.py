@@ -611,3 +611,24 @@ def test_debug_log_has_a_line_per_step_with_its_buckets(small_engine, caplog):
     assert sum(prompt for _, prompt in steps) == 6 + 9
     assert sum(decode for decode, _ in steps) == sum(len(g) - 1 for g in generated)
     assert all("bucket" in line and "ms later" in line for line in lines)
+
+
+def test_max_prefill_seqs_caps_the_prompts_of_a_step_not_the_tokens(caplog):
+    # Four 5-token prompts fit one 32-token step; two prefill rows take two steps, and the
+    # greedy tokens are those of a step holding all four.
+    prompts = random_prompts(np.random.default_rng(4), model().cfg.vocab_size, (5, 5, 5, 5))
+    options = dict(max_slots=4, max_len=32, token_budget=32, decode_buckets=(4,))
+    wide = Engine(model(), **options)
+    assert wide.builder.prefill_seqs == 4  # min(16, max_slots)
+    narrow = Engine(model(), max_prefill_seqs=2, **options)
+    with caplog.at_level(logging.DEBUG, logger="flax_models.serving.loop"):
+        generated = narrow.generate(prompts, 3)
+    counts = [
+        int(re.search(r"prompt tokens of (\d+) sequences", r.getMessage()).group(1))
+        for r in caplog.records
+        if r.getMessage().startswith("step: ")
+    ]
+    assert max(counts) == 2 and counts[:2] == [2, 2]
+    assert generated == wide.generate(prompts, 3)
+    with pytest.raises(ValueError, match="max_prefill_seqs"):
+        Engine(model(), max_prefill_seqs=0, **options)

@@ -137,6 +137,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="allowed prompt-token counts of a step (the engine's default)",
     )
     model.add_argument(
+        "--max-prefill-seqs",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="prompts a step computes chunks of, at most (the engine's default)",
+    )
+    model.add_argument(
         "--kv-block-size", type=_positive, default=None, metavar="N", help="tokens per KV page"
     )
     model.add_argument(
@@ -192,6 +199,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         token_budget=args.token_budget,
         decode_buckets=None if args.decode_buckets is None else tuple(args.decode_buckets),
         token_buckets=None if args.token_buckets is None else tuple(args.token_buckets),
+        max_prefill_seqs=args.max_prefill_seqs,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,
     )
