@@ -2,7 +2,8 @@
 bf16, ``implementation="auto"``) through one ``Engine.stream`` call.
 
 ``python -m benchmarks.serving [--out FILE] [--results-dir DIR] [--quick] [--bucket-policy
-pow2|sqrt2|linear] [--bucket-step N] [--max-slots N] [--decode-buckets ROWS ...]``.
+pow2|sqrt2|linear] [--bucket-step N] [--max-slots N] [--decode-buckets ROWS ...]
+[--max-prefill-seqs N] [--mamba-ssm-cache-dtype float32|bfloat16] [--startup]``.
 
 The trace (seed 0, ``TRACES``): 512 requests, all submitted at t = 0 in one
 ``Engine.stream(prompts, [SamplingParams(max_new_tokens=n), ...])`` call (an offline
@@ -24,12 +25,16 @@ engine's default policy (``DEFAULT_TOKEN_BUCKET_POLICY``, sqrt2) unless given. M
 the device: 18 GB of weights, per slot 121 MB of SSM states (29 Mamba layers × 128 heads ×
 64 × 128 × fp32) and 57 MB of KV pages (3 attention layers × 4608 tokens × 8 heads × 128 ×
 K and V in bf16), 64 GB in all beside the step's transients: an H200 (``--max-slots 128``:
-41 GB, for an 80 GB H100).
+41 GB, for an 80 GB H100). ``--mamba-ssm-cache-dtype bfloat16``: the states in bf16 (61 MB
+a slot; the row's problem gains ``/ssm-bfloat16``), the engine's ``mamba_ssm_cache_dtype``;
+prefill steps hold ``--max-prefill-seqs`` prompts at most (the engine's default, 16).
 
-Measurement: the identical trace runs twice on one engine. The first run compiles the
-programs (one per (decode bucket, token bucket) the schedule uses; the schedule is the
-same in both runs, see above) and is reported as ``warmup_s``, the compile cost; the
-second is measured (``compiles_in_measured_run`` says it compiled nothing). Each
+Measurement: ``Engine.warmup`` compiles the programs the trace uses (one per (decode
+bucket, token bucket) of the schedule, from the analysis below, in parallel threads;
+``compile_s``), then the identical trace runs twice on one engine (the schedule is the
+same in both runs, see above): the first is reported as ``warmup_s`` (with
+``compiles_in_warmup_run``, a program the analysis missed), the second is measured
+(``compiles_in_measured_run`` says it compiled nothing). Each
 ``TokenEvent`` is timestamped with ``time.perf_counter()`` as it arrives; per request,
 TTFT = first token time − the call's start and TPOT = (last − first) / (n − 1). Reported:
 output tokens/s and total (prompt + output) tokens/s over the run's wall time, TTFT and
@@ -149,9 +154,12 @@ def engine_options(
     step: int | None = None,
     max_slots: int | None = None,
     decode_buckets: Sequence[int] | None = None,
+    max_prefill_seqs: int | None = None,
+    mamba_ssm_cache_dtype: str = "float32",
 ) -> dict[str, Any]:
     """The engine's settings (module docstring): token buckets from ``policy``, decode
-    buckets powers of two up to the slots unless given."""
+    buckets powers of two up to the slots unless given, the engine's default prefill
+    sequence rows unless given."""
     spec = TRACES["quick" if quick else "full"]
     max_len = spec["prompt_range"][1] + spec["output_range"][1]
     slots = max_slots or (4 if quick else 256)
@@ -165,6 +173,8 @@ def engine_options(
         token_budget=budget,
         decode_buckets=tuple(sorted(decode_buckets)),
         token_buckets=pk.token_buckets(budget, policy=policy, step=step),
+        max_prefill_seqs=max_prefill_seqs,
+        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
     )
 
 
@@ -318,12 +328,19 @@ def _percentiles(values: Sequence[float], scale: float = 1e3) -> tuple[float, fl
     return float(np.percentile(finite, 50)), float(np.percentile(finite, 99))
 
 
-def _cost(model: HybridLM, steps: int, prompt_tokens: int, output_tokens: int, decode_rows: int):
+def _cost(
+    model: HybridLM,
+    steps: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    decode_rows: int,
+    state_itemsize: int = 4,
+):
     """(FLOPs, bytes) floor of the whole trace: 2 FLOPs per matmul weight per computed token
     (the embedding table is gathered from; the vocabulary projection runs for the sampled
     rows only, one per output token), attention ignored; every step reads every weight
     once (the untied embedding table excepted) and every decode row reads and writes its
-    fp32 SSM states."""
+    SSM states (``state_itemsize`` bytes an element)."""
     cfg = model.cfg
     params = nnx.state(model, nnx.Param)
     leaves = jax.tree.leaves(params)
@@ -336,7 +353,7 @@ def _cost(model: HybridLM, steps: int, prompt_tokens: int, output_tokens: int, d
         nbytes -= table * jnp.dtype(model.dtype).itemsize  # rows looked up only
     computed = prompt_tokens + decode_rows  # a decode row computes one token
     flops = 2.0 * matmul * computed + 2.0 * table * output_tokens
-    state = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.mamba_state_size * 4
+    state = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.mamba_state_size * state_itemsize
     mamba_layers = cfg.layer_pattern.count("M")
     bytes_moved = steps * nbytes + decode_rows * 2 * state * mamba_layers
     return flops, float(bytes_moved)
@@ -432,6 +449,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="decode-row buckets (powers of two up to --max-slots by default)",
     )
     parser.add_argument(
+        "--max-prefill-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts a step computes chunks of (the engine's default)",
+    )
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the SSM state cache's dtype (float32)",
+    )
+    parser.add_argument(
         "--startup",
         action="store_true",
         help="measure cold and warm start-up (compilation cache) in fresh processes first",
@@ -477,6 +507,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         step=args.bucket_step,
         max_slots=args.max_slots,
         decode_buckets=args.decode_buckets,
+        max_prefill_seqs=args.max_prefill_seqs,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
     if args.startup_probe is not None:
         _startup_probe(cfg, dtype, options, json.loads(args.startup_probe))
@@ -499,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     )
 
     label = args.bucket_policy + ("" if args.bucket_step is None else f"-{args.bucket_step}")
+    if args.mamba_ssm_cache_dtype != "float32":
+        label += f"/ssm-{args.mamba_ssm_cache_dtype}"
     problem = f"{name}/offline-{spec['requests']}/{label}"
 
     def save(row: dict[str, Any], ceilings: harness.Ceilings | None) -> None:
@@ -532,8 +566,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     start = time.perf_counter()
     model, engine = _build(cfg, dtype, options)
     init_s = time.perf_counter() - start
+    serving["engine"]["max_prefill_seqs"] = engine.builder.prefill_seqs
+    start = time.perf_counter()
+    if own is not None:  # the trace's programs, compiled in parallel (Engine.warmup)
+        engine.warmup(buckets=[(d, t) for d, t, _ in own["step_buckets"]], progress=False)
+    compile_s = time.perf_counter() - start
     warm = serve(engine, prompts, outputs)
-    print(f"warm-up run: {warm['wall_s']:.1f} s, {warm['compiles']} programs", flush=True)
+    print(
+        f"compiled in {compile_s:.1f} s; warm-up run: {warm['wall_s']:.1f} s, "
+        f"{warm['compiles']} programs",
+        flush=True,
+    )
     run = serve(engine, prompts, outputs)
 
     steps = sum(run["step_buckets"].values())
@@ -541,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     tpot_p50, tpot_p99 = _percentiles(run["tpot_s"])
     figures = dict(
         wall_s=run["wall_s"],
+        compile_s=compile_s,
         warmup_s=warm["wall_s"],
         init_s=init_s,
         output_tokens_per_s=output_tokens / run["wall_s"],
@@ -565,8 +609,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         ),
         peak_bytes=harness.peak_bytes(),
     )
+    state_itemsize = jnp.dtype(options["mamba_ssm_cache_dtype"]).itemsize
     flops, bytes_moved = _cost(
-        model, steps, prompt_tokens, output_tokens, run["stats"]["decode_tokens"]
+        model, steps, prompt_tokens, output_tokens, run["stats"]["decode_tokens"], state_itemsize
     )
     wall_ms = run["wall_s"] * 1e3
     row = harness.row(

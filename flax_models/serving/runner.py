@@ -70,6 +70,7 @@ class StepRunner:
         steps XLA compiles without options of their own.
       executable_cache: where compiled step programs are kept across processes (None:
         nowhere); ``loaded_count`` the step programs loaded from it.
+      ssm_cache_dtype: the dtype of the SSM state cache and its snapshots.
     """
 
     def __init__(
@@ -78,11 +79,13 @@ class StepRunner:
         builder: BatchBuilder,
         blocks: BlockManager | GroupedBlockManager,
         executable_cache: ExecutableCache | None = None,
+        ssm_cache_dtype: jnp.dtype = jnp.float32,
     ):
         self.cfg = model.cfg
         self.builder = builder
         self.blocks = blocks  # the page tables and pools the caches are laid out for
         self._cache_dtype = model.dtype
+        self._ssm_cache_dtype = jnp.dtype(ssm_cache_dtype)
         self._mesh = model.mesh  # a sharded model serves on its mesh, caches split alike
         self.caches = self._init_cache()
         self.compile_count = 0
@@ -128,6 +131,7 @@ class StepRunner:
             num_slots=self.builder.num_slots,
             max_len=self.builder.max_len,
             dtype=self._cache_dtype,
+            ssm_dtype=self._ssm_cache_dtype,
             mesh=self._mesh,
             num_blocks=self.blocks.num_pages,
             block_size=self.blocks.block_size,

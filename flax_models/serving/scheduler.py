@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+import pallas_kernels as pk
 from flax_models.batch import StateSnapshots
 from flax_models.serving.batching import FROM_DEVICE, BatchBuilder, Request, StepArrays
 from flax_models.serving.outputs import StepStats, TokenEvent
@@ -248,6 +249,8 @@ class Scheduler:
                 prefill.append((seq, count))
                 budgets[group] -= count
                 prompts[group] -= 1
+        if decode:  # a next step runs for the decode rows: a prompt's tail can wait for it
+            prefill = self.fit_token_bucket(prefill)
         if not decode and not prefill:
             return None
         arrays = self.builder.build(
@@ -294,6 +297,37 @@ class Scheduler:
             snapshots=snapshots,
             taken=taken,
         )
+
+    def fit_token_bucket(
+        self, prefill: list[tuple[SequenceState, int]]
+    ) -> list[tuple[SequenceState, int]]:
+        """``prefill`` (sequences and token counts, in order) cut down to the largest token
+        bucket its tokens fill when that bucket and the one the cut tokens would take alone
+        hold fewer tokens than the bucket they would all be padded up to: padding tokens
+        cost what real ones do, and the cut tokens (the last sequences' tails) run in the
+        next step, which the decode rows hold anyway (beside its own prompt tokens, if
+        any). Each slot group is cut to the bucket of the group with the most tokens."""
+        totals = [0] * self.builder.groups
+        for seq, count in prefill:
+            totals[self._group(seq.slot)] += count
+        most = max(totals)
+        if not most:
+            return prefill
+        buckets = self.builder.token_buckets
+        lower = max((b for b in buckets if b <= most), default=0)
+        if not lower or lower + pk.bucket_for(most - lower, buckets) >= pk.bucket_for(
+            most, buckets
+        ):
+            return prefill
+        excess = [max(total - lower, 0) for total in totals]
+        fitted = []
+        for seq, count in reversed(prefill):
+            group = self._group(seq.slot)
+            cut = min(count, excess[group])
+            excess[group] -= cut
+            if count > cut:
+                fitted.append((seq, count - cut))
+        return fitted[::-1]
 
     def commit(self, plan: StepPlan) -> None:
         """Moves the host's view on once ``plan`` is launched: what the step computes does

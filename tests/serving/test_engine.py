@@ -632,3 +632,37 @@ def test_max_prefill_seqs_caps_the_prompts_of_a_step_not_the_tokens(caplog):
     assert generated == wide.generate(prompts, 3)
     with pytest.raises(ValueError, match="max_prefill_seqs"):
         Engine(model(), max_prefill_seqs=0, **options)
+
+
+def test_bfloat16_ssm_cache_holds_the_float32_states_rounded():
+    # A prompt's prefill from zero states accumulates in fp32 either way: the bf16 cache
+    # holds the fp32 cache's states rounded; decode steps then continue from the rounded
+    # states and stay close.
+    prompt = random_prompts(np.random.default_rng(5), model().cfg.vocab_size, (13,))
+    options = dict(max_slots=1, max_len=32, token_budget=16, decode_buckets=(1,))
+    fp32, bf16 = (
+        Engine(model(), mamba_ssm_cache_dtype=name, **options) for name in ("float32", "bfloat16")
+    )
+    assert Engine(model(), mamba_ssm_cache_dtype="auto", **options).caches[0].ssm_state.dtype == (
+        model().dtype
+    )
+
+    def states(engine: Engine) -> list[np.ndarray]:
+        return [
+            np.asarray(c.ssm_state[0].astype(jnp.float32))
+            for c in engine.caches
+            if hasattr(c, "ssm_state")
+        ]
+
+    for engine in (fp32, bf16):
+        engine.generate(prompt, 1)
+    assert all(c.ssm_state.dtype == jnp.bfloat16 for c in bf16.caches if hasattr(c, "ssm_state"))
+    for exact, rounded in zip(states(fp32), states(bf16), strict=True):
+        assert np.abs(exact).max() > 0
+        np.testing.assert_array_equal(rounded, exact.astype(jnp.bfloat16).astype(np.float32))
+    for engine in (fp32, bf16):
+        engine.generate(prompt, 4)
+    for exact, rounded in zip(states(fp32), states(bf16), strict=True):
+        assert_close(rounded, exact, rtol=1e-2, name="states after decode steps")
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
+        Engine(model(), mamba_ssm_cache_dtype="float16", **options)

@@ -165,3 +165,24 @@ def test_update_weights_serves_new_parameters_without_recompiling():
     other = load_hf_checkpoint(FIXTURES / "nemotronh", implementation="xla")
     with pytest.raises(ValueError, match="model"):
         engine.update_weights(other)
+
+
+def test_a_prompt_beside_decode_rows_is_cut_to_the_bucket_it_fills():
+    # With a decode row running, 17 prompt tokens would pad to 32; 16 fill the 16-token
+    # bucket and the 17th rides the next step (which the decode row holds anyway) in the
+    # 8-token one: 24 tokens computed, not 32. Alone, the prompt takes its padded bucket:
+    # no next step is certain.
+    m = model()
+    prompts = random_prompts(np.random.default_rng(6), m.cfg.vocab_size, (4, 17))
+    options = dict(max_slots=2, max_len=48, token_budget=32, decode_buckets=(2,))
+    engine = Engine(m, token_buckets=(8, 16, 32), **options)
+    engine.add_request("a", prompts[0], GREEDY)
+    outputs = run_to_end(engine, {1: [("b", prompts[1], GREEDY)]})
+    tokens = [outputs[i].outputs[0].token_ids for i in "ab"]
+    assert tokens == greedy_references(m, prompts, tokens)
+    assert engine.step_buckets[(2, 16)] == 1 and engine.step_buckets[(2, 32)] == 0
+    assert engine.step_buckets[(2, 8)] == 1  # b's 17th token beside a's decode row
+    alone = Engine(m, token_buckets=(8, 16, 32), **options)
+    alone.add_request("b", prompts[1], GREEDY)
+    run_to_end(alone)
+    assert alone.step_buckets[(0, 32)] == 1 and alone.step_buckets[(0, 16)] == 0

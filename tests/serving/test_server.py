@@ -35,6 +35,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from flax_models import LLM, SamplingParams  # noqa: E402
+from flax_models.serving.engine import MAMBA_SSM_CACHE_DTYPES  # noqa: E402
 from flax_models.serving.server import cli_args, protocol  # noqa: E402
 from flax_models.serving.server.api_server import ParentWatchdog, _validation_error  # noqa: E402
 from flax_models.serving.server.metrics import Metrics  # noqa: E402
@@ -237,6 +238,11 @@ def test_command_line():
         max_slots=3, decode_buckets=(1, 2), prefix_caching=True
     )
     assert cli_args.parse_args(["ckpt", "--max-slots", "5"]).max_slots == 5
+    cache_dtype = cli_args.parse_args(["ckpt", "--mamba-ssm-cache-dtype", "bfloat16"])
+    assert cli_args.engine_options(cache_dtype) == dict(mamba_ssm_cache_dtype="bfloat16")
+    actions = cli_args.make_arg_parser()._actions
+    dtypes = next(a for a in actions if a.dest == "mamba_ssm_cache_dtype")
+    assert dtypes.choices == MAMBA_SSM_CACHE_DTYPES
     with pytest.raises(SystemExit):
         cli_args.parse_args(["ckpt", "--max-slots", "0"])
 

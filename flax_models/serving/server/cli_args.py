@@ -144,6 +144,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="prompts a step computes chunks of, at most (the engine's default)",
     )
     model.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=None,
+        choices=("auto", "float32", "bfloat16"),  # the engine's MAMBA_SSM_CACHE_DTYPES
+        help="the SSM state cache's dtype (the engine's default, float32; auto: the model's)",
+    )
+    model.add_argument(
         "--kv-block-size", type=_positive, default=None, metavar="N", help="tokens per KV page"
     )
     model.add_argument(
@@ -200,6 +206,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         decode_buckets=None if args.decode_buckets is None else tuple(args.decode_buckets),
         token_buckets=None if args.token_buckets is None else tuple(args.token_buckets),
         max_prefill_seqs=args.max_prefill_seqs,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,
     )
