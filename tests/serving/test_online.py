@@ -167,22 +167,25 @@ def test_update_weights_serves_new_parameters_without_recompiling():
         engine.update_weights(other)
 
 
-def test_a_prompt_beside_decode_rows_is_cut_to_the_bucket_it_fills():
-    # With a decode row running, 17 prompt tokens would pad to 32; 16 fill the 16-token
-    # bucket and the 17th rides the next step (which the decode row holds anyway) in the
-    # 8-token one: 24 tokens computed, not 32. Alone, the prompt takes its padded bucket:
-    # no next step is certain.
+def test_under_load_a_prompt_beside_decode_rows_is_cut_to_the_bucket_it_fills():
+    # b's 17 prompt tokens beside a's decode row would pad to 32. With c waiting for a slot
+    # (the engine is saturated), 16 fill the 16-token bucket and the 17th rides the next
+    # step (which the decode row holds anyway) in the 8-token one: 24 tokens computed, not
+    # 32. With nothing waiting, b's first token comes first: one step in the padded bucket.
     m = model()
-    prompts = random_prompts(np.random.default_rng(6), m.cfg.vocab_size, (4, 17))
+    prompts = random_prompts(np.random.default_rng(6), m.cfg.vocab_size, (4, 17, 4))
     options = dict(max_slots=2, max_len=48, token_budget=32, decode_buckets=(2,))
-    engine = Engine(m, token_buckets=(8, 16, 32), **options)
-    engine.add_request("a", prompts[0], GREEDY)
-    outputs = run_to_end(engine, {1: [("b", prompts[1], GREEDY)]})
-    tokens = [outputs[i].outputs[0].token_ids for i in "ab"]
-    assert tokens == greedy_references(m, prompts, tokens)
-    assert engine.step_buckets[(2, 16)] == 1 and engine.step_buckets[(2, 32)] == 0
-    assert engine.step_buckets[(2, 8)] == 1  # b's 17th token beside a's decode row
-    alone = Engine(m, token_buckets=(8, 16, 32), **options)
-    alone.add_request("b", prompts[1], GREEDY)
-    run_to_end(alone)
-    assert alone.step_buckets[(0, 32)] == 1 and alone.step_buckets[(0, 16)] == 0
+    buckets = {}
+    for load in ("waiting", "idle"):
+        engine = Engine(m, token_buckets=(8, 16, 32), **options)
+        engine.add_request("a", prompts[0], GREEDY)
+        joining = [("b", prompts[1], GREEDY)]
+        if load == "waiting":
+            joining.append(("c", prompts[2], GREEDY))
+        outputs = run_to_end(engine, {1: joining})
+        ids = "abc"[: len(joining) + 1]
+        tokens = [outputs[i].outputs[0].token_ids for i in ids]
+        assert tokens == greedy_references(m, prompts[: len(ids)], tokens)
+        buckets[load] = engine.step_buckets
+    assert buckets["waiting"][(2, 16)] == 1 and buckets["waiting"][(2, 32)] == 0
+    assert buckets["idle"][(2, 32)] == 1 and buckets["idle"][(2, 16)] == 0
