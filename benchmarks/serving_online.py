@@ -327,7 +327,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rates", type=float, nargs="+", default=None, metavar="R",
                         help="arrival rates, requests/s (inf: all at once)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=None, help="requests per rate")
-    parser.add_argument("--serve-args", default=None, help="options for flax_models.serve")
+    parser.add_argument(
+        "--serve-args",
+        default=None,
+        help="options for flax_models.serve, one string (--serve-args=--flag for a single one)",
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids' range")
     parser.add_argument("--server-log", default=None, help="the started server's log file")
     own, rest = parser.parse_known_args(argv)

@@ -114,9 +114,10 @@ def default_backward_block_sizes(config: BlockSizes, dtype=jnp.bfloat16) -> Back
     3 stages would slow the state pass (0.68 → 0.93 ms).
 
     With 4-byte inputs (``dtype``, x's) every tile is twice the size and chunk_dbc is not
-    pipelined: the train step of a 4.6M-parameter fp32 hybrid (P 64, N 64, chunks of 64)
-    asked Triton for 321 KiB of shared memory on an H200, which has 227 KiB; chunk_dbc's
-    three stages of fp32 tiles are the likely part of it (not isolated on the GPU yet)."""
+    pipelined, to keep its fp32 tiles well inside Hopper's 227 KiB of shared memory. (The
+    321 KiB a 4.6M-parameter fp32 hybrid's train step once asked for was the attention
+    backward's dK/dV program, not this one; with it fixed, that step trains through the
+    kernels on an H200, 2026-12-02.)"""
     wide = jnp.dtype(dtype).itemsize > 2
     return BackwardBlockSizes(
         block_m=config.block_m,
