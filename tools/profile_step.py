@@ -155,6 +155,7 @@ def main() -> None:
             max_len=args.prompt,
             token_budget=sum(args.prompts),
             decode_buckets=(args.rows,),
+            max_prefill_seqs=args.rows,
             token_buckets=(
                 None
                 if args.bucket_policy is None
@@ -171,6 +172,7 @@ def main() -> None:
             max_len=args.prompt,
             token_budget=tokens,
             decode_buckets=(args.rows,),
+            max_prefill_seqs=args.rows,
             token_buckets=(tokens,),
         )
         prompts = [list(rng.integers(0, cfg.vocab_size, args.prompt)) for _ in range(args.rows)]
