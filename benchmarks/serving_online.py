@@ -330,10 +330,14 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--serve-args",
         default=None,
-        help="options for flax_models.serve, one string (--serve-args=--flag for a single one)",
+        help="options for flax_models.serve, one string",
     )
     parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids' range")
     parser.add_argument("--server-log", default=None, help="the started server's log file")
+    argv = list(argv)
+    if "--serve-args" in argv[:-1]:  # its value is one, even when it starts with a dash
+        at = argv.index("--serve-args")
+        argv[at : at + 2] = [f"--serve-args={argv[at + 1]}"]
     own, rest = parser.parse_known_args(argv)
     args = harness.parse_args(
         rest, "online serving (Poisson arrivals through the HTTP server)", module="serving",

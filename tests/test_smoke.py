@@ -286,3 +286,12 @@ def test_model_benchmark_mock_devices_on_one_gpu(tmp_path):
     assert "collectives" not in rows["tiny/decode-1x48"]
     assert rows["tiny@tp2/decode-1x48"]["speedup_vs_tp1"] > 0
     assert rows["tiny@tp2/decode-1x48"]["processes"] == 1
+
+
+def test_online_benchmark_takes_a_single_dashed_serve_arg():
+    from benchmarks import serving_online
+
+    args = serving_online._parse(["--serve-args", "--no-access-log", "--quick"])
+    assert args.serve_args == "--no-access-log" and args.quick
+    spaced = serving_online._parse(["--serve-args", "--log-level debug --no-access-log"])
+    assert spaced.serve_args == "--log-level debug --no-access-log"
