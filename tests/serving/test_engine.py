@@ -22,6 +22,7 @@ import pallas_kernels as pk
 from flax_models.checkpoint import load_hf_checkpoint
 from flax_models.serving.batching import Request
 from flax_models.serving.engine import Engine
+from flax_models.serving.runner import CUBLAS_ONLY_MIN_ROWS, step_xla_options
 from flax_models.serving.sampling import SamplingParams, sample_tokens
 from flax_models.training import pad_sequences
 from pallas_kernels.testing import assert_close
@@ -666,3 +667,20 @@ def test_bfloat16_ssm_cache_holds_the_float32_states_rounded():
         assert_close(rounded, exact, rtol=1e-2, name="states after decode steps")
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
         Engine(model(), mamba_ssm_cache_dtype="float16", **options)
+
+
+def test_steps_from_32_rows_compile_without_triton_gemms():
+    """Steps of at least ``CUBLAS_ONLY_MIN_ROWS`` token rows a device take the program
+    compiled with XLA's Triton gemms off (cuBLAS only, measured faster to compile and to
+    run there); smaller steps the plain one."""
+    assert [step_xla_options(None, rows) for rows in (1, 16, CUBLAS_ONLY_MIN_ROWS - 1)] == [{}] * 3
+    off = {"xla_gpu_enable_triton_gemm": False}
+    assert step_xla_options(None, CUBLAS_ONLY_MIN_ROWS) == step_xla_options(None, 8192) == off
+    engine = Engine(model(), max_slots=32, max_len=16, token_budget=32, decode_buckets=(1, 32))
+    runner = engine.runner
+    plain = [
+        runner.program(engine.builder.build([Request(s, [3], 5) for s in range(rows)], []))
+        is runner.step_program
+        for rows in (1, 32)
+    ]
+    assert plain == [True, False]
