@@ -47,11 +47,12 @@ __all__ = ["StepRunner"]
 
 # Steps of at least this many token rows a device compile without Triton gemms: XLA then
 # picks among cuBLAS's algorithms only. On one H200 (Bamba-9B shape, 2026-12-03, eight
-# programs compiled at once) such steps compiled in about two thirds of the time (12.7-17.8
-# s against 19.6-23.8 s with 1024-8192 prompt tokens, 2.9 against 6.7-7.5 s for 32 and 256
-# decode rows) and ran faster (32 decode rows 6.93 against 7.21 ms, 256 rows 9.69 against
-# 10.39, 8192 prompt tokens 210.3 against 212.8); one decode row ran 1% slower (6.46
-# against 6.39 ms), and 2-16 rows were not measured, so smaller steps keep XLA's default.
+# programs compiled at once) such steps compiled in a half to two thirds of the time
+# (12.7-17.8 s against 19.6-23.8 s with 1024-8192 prompt tokens, 2.9 against 6.7-7.5 s for
+# 32 and 256 decode rows) and ran faster (32 decode rows 6.93 against 7.21 ms, 256 rows
+# 9.69 against 10.39, 8192 prompt tokens 210.3 against 212.8); one decode row ran 1% slower
+# (6.46 against 6.39 ms), and 2-16 rows were not measured, so smaller steps keep XLA's
+# default. Steps under tp were not measured either way.
 CUBLAS_ONLY_MIN_ROWS = 32
 
 
