@@ -16,10 +16,10 @@ docs/notes/2026-12-03-step-compile-time.md: ``default=`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +34,7 @@ def probe(buckets: list[tuple[int, int]]) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks import harness
     from benchmarks.serving import _build, engine_options
     from flax_models.config import HybridConfig
 
@@ -46,15 +47,10 @@ def probe(buckets: list[tuple[int, int]]) -> dict[str, Any]:
     warmup_s = time.perf_counter() - start
     step_ms = {}
     for bucket in buckets:
-        arrays = engine.builder.dummy(*bucket)
-        for _ in range(3):
-            jax.block_until_ready(engine._launch(arrays)[1])
-        times = []
-        for _ in range(10):
-            began = time.perf_counter()
-            jax.block_until_ready(engine._launch(arrays)[1])
-            times.append((time.perf_counter() - began) * 1e3)
-        step_ms[f"{bucket[0]}+{bucket[1]}"] = statistics.median(times)
+        step = functools.partial(engine._launch, engine.builder.dummy(*bucket))
+        # Each timed step waited for on its own (no back-to-back batches).
+        timing = harness.time_fn(step, samples=10, min_sample_ms=0)
+        step_ms[f"{bucket[0]}+{bucket[1]}"] = timing.median_ms
     return dict(init_s=init_s, warmup_s=warmup_s, programs=programs, step_ms=step_ms)
 
 
