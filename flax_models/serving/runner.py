@@ -376,13 +376,7 @@ class StepRunner:
         # A sharding's repr names its mesh's axes, not which device holds which index.
         devices = [d.id for d in self._execution_devices()]
         return self.executable_cache.key(
-            "step",
-            self._model_text,
-            devices,
-            tree,
-            avals,
-            kwargs,
-            sorted(options.items()),
+            "step", self._model_text, devices, tree, avals, kwargs, sorted(options.items())
         )
 
     def _execution_devices(self) -> list[jax.Device]:
