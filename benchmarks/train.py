@@ -68,6 +68,7 @@ from pallas_kernels.backend import backend_for, on_gpu
 from pallas_kernels.ssd import api as ssd_api
 from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
+from pallas_kernels.ssd import mosaic_vjp as ssd_mosaic_vjp
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.ssd import triton_config as ssd_triton_config
 from pallas_kernels.ssd import triton_vjp as ssd_triton_vjp
@@ -217,7 +218,8 @@ def bench_ssd(p: ssd_benchmark.PrefillProblem, results: Results) -> None:
             continue
         backend = backend_for(call, implementation=impl)
         stages = {}
-        if on_gpu() and impl == backend and backend in ("mosaic", "triton"):
+        # The launches of each backend's own row (auto's is its backend's).
+        if on_gpu() and impl in ("auto", backend) and backend in ("mosaic", "triton"):
             stages = dict(stages_ms=ssd_stage_times(p, inputs, dy, backend))
             print(f"{p.name} {impl} launches (ms): {stages['stages_ms']}")
         results.add(
@@ -352,28 +354,64 @@ def ssd_stage_times(
     residuals = ssd_triton_config.Residuals(dt_chunks, cum, carried, cb, y_ssm)
     dstates = jnp.zeros((s.num_seqs, s.heads, s.head_dim, s.state_dim), f32)
     stage = dict(blocks=backward_blocks, interpret=False)
-    _, ds_out, _, _ = timed(
+    # The Mosaic backend's chunk_dx (where it fits) leaves the rows' own terms to the
+    # state pass.
+    mosaic_dx = backend == "mosaic" and ssd_mosaic_config.chunk_dx_supports(
+        chunk_size=s.chunk_size,
+        state_dim=s.state_dim,
+        num_stages=config.num_stages,
+        itemsize=x.dtype.itemsize,
+    )
+    _, ds_out, *_ = timed(
         "bwd_state_pass",
-        lambda dy, C, res, dstates: ssd_triton_vjp.state_pass(
-            s, md, dy, None, C, res, dstates, intermediate=False, **stage
+        lambda dy, C, res, dstates, x, D: ssd_triton_vjp.state_pass(
+            s,
+            md,
+            dy,
+            None,
+            C,
+            res,
+            dstates,
+            intermediate=False,
+            row_terms=mosaic_dx,
+            x=x,
+            D=D,
+            **stage,
         ),
         dy,
         C,
         residuals,
         dstates,
-    )
-    timed(
-        "bwd_chunk_dx",
-        lambda x, B, res, ds_out, D, dy: ssd_triton_vjp.chunk_dx(
-            s, cu, x, B, res, ds_out, D, None, dy, dy, **stage
-        ),
         x,
-        B,
-        residuals,
-        ds_out,
         D_hp,
-        dy,
     )
+    if mosaic_dx:
+        timed(
+            "bwd_chunk_dx",
+            lambda x, B, C, res, ds_out, D, dy: ssd_mosaic_vjp.chunk_dx(
+                s, md, x, B, C, res, ds_out, D, dy, config=config
+            ),
+            x,
+            B,
+            C,
+            residuals,
+            ds_out,
+            D_hp,
+            dy,
+        )
+    else:
+        timed(
+            "bwd_chunk_dx",
+            lambda x, B, res, ds_out, D, dy: ssd_triton_vjp.chunk_dx(
+                s, cu, x, B, res, ds_out, D, None, dy, dy, **stage
+            ),
+            x,
+            B,
+            residuals,
+            ds_out,
+            D_hp,
+            dy,
+        )
     timed(
         "bwd_chunk_dbc",
         lambda x, B, C, res, ds_out, dy: ssd_triton_vjp.chunk_dbc(

@@ -77,3 +77,23 @@ def store_rows(tile, out_ref, *, row0, first, live, head, wait: bool = True) -> 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     else:
         plgpu.commit_smem_to_gmem_group()
+
+
+def zero_rows_past_chunks(
+    zeros, out_ref, *, total, worker, workers: int, head0, num_heads: int
+) -> None:
+    """Zeroes the bucket rows ``[total, T)`` of ``out_ref[T, H, D]`` that no chunk owns,
+    heads ``[head0, head0 + num_heads)``: 64-row stores from ``zeros`` (a staged, untiled
+    ``[64, D]`` tile, filled here) spread over ``workers`` consumers, this one ``worker``
+    (a store past T is clipped by the TMA unit)."""
+    rows = zeros.shape[0]
+    zeros[...] = plgpu.layout_cast(jnp.zeros(zeros.shape, out_ref.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    num_pieces = lax.div(out_ref.shape[0] - total + rows - 1, rows)
+
+    @pl.loop(worker, num_pieces, step=workers)
+    def _zero(piece):
+        for i in range(num_heads):
+            plgpu.copy_smem_to_gmem(zeros, out_ref.at[pl.ds(total + piece * rows, rows), head0 + i])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)

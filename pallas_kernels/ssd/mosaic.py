@@ -76,8 +76,9 @@ from pallas_kernels._mosaic import (
     produce_ring,
     store_rows,
     swizzled_tiles,
+    zero_rows_past_chunks,
 )
-from pallas_kernels.ssd import triton, triton_config
+from pallas_kernels.ssd import mosaic_vjp, triton, triton_config
 from pallas_kernels.ssd.mosaic_config import (
     BLOCK_ROWS,
     CONSUMERS,
@@ -86,6 +87,7 @@ from pallas_kernels.ssd.mosaic_config import (
     BlockSizes,
     cb_blocks,
     check_block_sizes,
+    chunk_dx_supports,
     default_heads_per_block,
 )
 
@@ -374,25 +376,16 @@ def _kernel(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         @pl.when(~is_chunk & (wg < CONSUMERS))
-        def _tail():
-            # Bucket rows [total, T) no chunk owns: zeros, in 64-row stores spread over the
-            # tail blocks' consumers (a store past T is clipped by the TMA unit).
-            total = cu_ref[max_chunks]
-            zeros = out_rows.at[wg, 0]
-            zeros[...] = plgpu.layout_cast(jnp.zeros(block_shape, y_ref.dtype), wgmma_layout)
-            plgpu.commit_smem()
-            workers = _TAIL_BLOCKS * num_halves * CONSUMERS
-            worker = ((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg
-            num_pieces = lax.div(y_ref.shape[0] - total + ROWS - 1, ROWS)
-
-            @pl.loop(worker, num_pieces, step=workers)
-            def _zero(piece):
-                for i in range(heads_per_block):
-                    plgpu.copy_smem_to_gmem(
-                        zeros, y_ref.at[pl.ds(total + piece * ROWS, ROWS), h0 + i]
-                    )
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        def _tail():  # bucket rows no chunk owns, spread over the tail blocks' consumers
+            zero_rows_past_chunks(
+                out_rows.at[wg, 0],
+                y_ref,
+                total=cu_ref[max_chunks],
+                worker=((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg,
+                workers=_TAIL_BLOCKS * num_halves * CONSUMERS,
+                head0=h0,
+                num_heads=heads_per_block,
+            )
 
     tiles = swizzled_tiles(dtype)
     flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
@@ -978,6 +971,12 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     )
     # The pair skips the zero carried states of sequences' first chunks.
     first_states_zero = mosaic_states and options["initial_states"] is None
+    dx_on_mosaic = chunk_dx_supports(
+        chunk_size=chunk_size,
+        state_dim=B.shape[2],
+        num_stages=config.num_stages,
+        itemsize=x.dtype.itemsize,
+    )
     return triton.ssd_scan(
         x,
         dt,
@@ -989,5 +988,6 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         state_scan_fn=_state_scan_with(first_states_zero) if mosaic_states else None,
         chunk_scan_fn=_chunk_scan_with(config, first_states_zero),
         residual_stages=residual_stages(config, mosaic_states),
+        chunk_dx_fn=mosaic_vjp.chunk_dx_with(config) if dx_on_mosaic else None,
         **options,
     )

@@ -18,7 +18,7 @@ HEAD_DIM: Final = 64
 _CHUNK_SIZES: Final = (128, 256)
 _STATE_DIMS: Final = (64, 128, 256)
 # Opt-in shared memory of a Hopper thread block (227 KiB), less room for the barriers.
-_SMEM_BUDGET: Final = 227 * 1024 - 1024
+SMEM_BUDGET: Final = 227 * 1024 - 1024
 _MAX_HEADS_PER_BLOCK: Final = 16
 
 
@@ -45,7 +45,7 @@ def default_heads_per_block(heads_per_group: int) -> int:
     return max(d for d in range(1, _MAX_HEADS_PER_BLOCK + 1) if heads_per_group % d == 0)
 
 
-def _smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> int:
+def smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> int:
     """Shared memory of one block: its rows of C, the chunk's B and then in its place the
     per-head ring, C·Bᵀ, the dt'/cum/D vectors and the consumers' output tiles."""
     c_tile = BLOCK_ROWS * state_dim * itemsize
@@ -55,6 +55,21 @@ def _smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: i
     vectors = num_stages * (2 * chunk_size + HEAD_DIM) * 4
     staging = 2 * CONSUMERS * ROWS * HEAD_DIM * itemsize
     return c_tile + max(b_tile, num_stages * per_head) + cb + vectors + staging
+
+
+# Per consumer and output slot, the backward chunk_dx's ∂dt' and q rows (fp32) on their way out.
+_DX_VECTOR_BYTES: Final = CONSUMERS * 2 * 2 * ROWS * 4
+
+
+def chunk_dx_supports(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> bool:
+    """Whether the Mosaic backward's ``chunk_dx`` (``mosaic_vjp.py``) fits in shared memory
+    where the forward does: the chunk scan's layout with B and C exchanged (dy in x's
+    place, the state cotangent in the carried state's) and the rows' vectors. It does not
+    at chunk 256 with N 256; the Triton ``chunk_dx`` runs there."""
+    need = smem_bytes(
+        chunk_size=chunk_size, state_dim=state_dim, num_stages=num_stages, itemsize=itemsize
+    )
+    return need + _DX_VECTOR_BYTES <= SMEM_BUDGET
 
 
 def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
@@ -74,13 +89,13 @@ def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
     if x.shape[0] < chunk_size:
         # TMA boxes of a chunk's rows would be taller than the arrays.
         return f"T={x.shape[0]} is below chunk_size={chunk_size}"
-    need = _smem_bytes(
+    need = smem_bytes(
         chunk_size=chunk_size,
         state_dim=B.shape[2],
         num_stages=BlockSizes().num_stages,
         itemsize=x.dtype.itemsize,
     )
-    if need > _SMEM_BUDGET:
+    if need > SMEM_BUDGET:
         return (
             f"chunk_size={chunk_size} with state dim {B.shape[2]} needs {need} B of shared memory"
         )
@@ -94,11 +109,11 @@ def check_block_sizes(config: BlockSizes, *, heads_per_group: int, **sizes) -> N
             f"config.heads_per_block={config.heads_per_block} must divide the "
             f"heads per group H / G = {heads_per_group}"
         )
-    need = _smem_bytes(num_stages=config.num_stages, **sizes)
-    if need > _SMEM_BUDGET:
+    need = smem_bytes(num_stages=config.num_stages, **sizes)
+    if need > SMEM_BUDGET:
         raise ValueError(
             f"config.num_stages={config.num_stages} needs {need} B of shared memory "
-            f"(at most {_SMEM_BUDGET})"
+            f"(at most {SMEM_BUDGET})"
         )
 
 

@@ -84,10 +84,16 @@ def _state_pass_kernel(
     cum_ref,  # [H, max_chunks, bcs] fp32
     carried_ref,  # [max_chunks, H, bp, bn] fp32: s_in
     dstates_ref,  # [B, H, P, N] (final) or [max_chunks, H, P, N] (intermediate) cotangent
+    x_ref,  # [T, H, P] (with row terms and D) or None
+    y_ssm_ref,  # [T, H, P] fp32 (with row terms) or None
+    D_ref,  # [H, P] fp32 (with row terms) or None
     dyg_ref,  # [T, H, P] in x's dtype: dy · silu(z) (with z only)
     ds_out_ref,  # [max_chunks, H, bp, bn] in x's dtype: the state cotangent after each chunk
     dlast_ref,  # [H, max_chunks] fp32: exp(cum_last) <ds_out, s_in>
     dinit_ref,  # [B, H, P, N] fp32
+    dz_ref,  # [T, H, P] (with row terms and z) or None
+    dy_y_ref,  # [H, max_chunks, bcs] fp32: dy_j · y_ssm_j per row (with row terms) or None
+    dD_ref,  # [B, H, bp] fp32: Σ_j dy_j x_j over the sequence (with row terms and D) or None
     *,
     heads_per_group: int,
     head_dim: int,
@@ -96,7 +102,10 @@ def _state_pass_kernel(
     intermediate: bool,
 ):
     # Heads vary fastest, as in the forward's state scan; the longest walks start first.
-    h, b = pl.program_id(0), order_ref[pl.program_id(1)]
+    # Programs past the sequences (row terms only) zero dz's bucket rows.
+    num_seqs = order_ref.shape[0]
+    program = pl.program_id(1)
+    h, b = pl.program_id(0), order_ref[jnp.minimum(program, num_seqs - 1)]
     g = h // heads_per_group
     bp, bn = carried_ref.shape[2:]
     bcs = cum_ref.shape[2]
@@ -113,12 +122,14 @@ def _state_pass_kernel(
             other=0.0,
         ).astype(jnp.float32)
 
-    # Without intermediate states only the final state carries a cotangent in: it is the
-    # one after the last chunk (and, for a sequence without chunks, d initial_states).
-    ds = jnp.zeros((bp, bn), jnp.float32) if intermediate else load_state(dstates_ref, b)
     first, num_chunks = first_chunk_ref[b], num_seq_chunks_ref[b]
+    row_terms = y_ssm_ref is not None
+    D = None
+    if D_ref is not None:
+        D = plgpu.load(D_ref.at[h, pl.ds(static_index(0), bp)], mask=p_live, other=0.0)
 
-    def chunk_step(i, ds):
+    def chunk_step(i, carry):
+        ds, dD = carry
         c = first + num_chunks - 1 - i  # backwards along the sequence
         ds_out = ds + load_state(dstates_ref, c) if intermediate else ds
         ds_out_ref[c, h, :, :] = ds_out.astype(cdt)
@@ -127,16 +138,30 @@ def _state_pass_kernel(
         dlast_ref[h, c] = decay_last * jnp.sum(ds_out * s_in)
         start, end = cu_ref[c], cu_ref[c + 1]
 
-        def row_step(k, ds):
+        def row_step(k, carry):
+            ds, dD = carry
             row0 = pl.multiple_of(k * block_t, block_t)
             live = rows < end - start - row0
             mask = live[:, None] & p_live[None, :]
             at = pl.ds(start + row0, block_t), h, pl.ds(static_index(0), bp)
-            dy = plgpu.load(dy_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+            dy_out = plgpu.load(dy_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+            dy = dy_out
             if z_ref is not None:
                 z = plgpu.load(z_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
                 dy = dy * silu(z)
                 plgpu.store(dyg_ref.at[at], dy.astype(dyg_ref.dtype), mask=mask)
+            if row_terms:
+                # The rows' own terms: ∂cum's dy · y_ssm, dz, and D's partial (masked
+                # loads give 0 past the chunk; selects keep NaN rows out of the sums).
+                y = plgpu.load(y_ssm_ref.at[at], mask=mask, other=0.0)
+                dy_y_ref[h, c, pl.ds(row0, block_t)] = jnp.sum(jnp.where(mask, dy * y, 0.0), 1)
+                if D is not None:
+                    x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+                    dD = dD + jnp.sum(jnp.where(mask, dy * x, 0.0), axis=0)
+                    y = y + D[None, :] * x
+                if dz_ref is not None:
+                    dz = dy_out * y * silu_grad(z)
+                    plgpu.store(dz_ref.at[at], dz.astype(dz_ref.dtype), mask=mask)
             C = plgpu.load(
                 C_ref.at[pl.ds(start + row0, block_t), g, pl.ds(static_index(0), bn)],
                 mask=live[:, None] & n_live[None, :],
@@ -144,17 +169,46 @@ def _state_pass_kernel(
             )
             weight = decay_factor(cum_ref[h, c, pl.ds(row0, block_t)])
             dy_w = jnp.where(live[:, None], dy * weight[:, None], 0.0)
-            return ds + dot(dy_w.astype(cdt), C.astype(cdt), trans_a=True)
+            return ds + dot(dy_w.astype(cdt), C.astype(cdt), trans_a=True), dD
 
         num_steps = pl.cdiv(end - start, block_t)
-        return jax.lax.fori_loop(0, num_steps, row_step, decay_last * ds_out)
+        return jax.lax.fori_loop(0, num_steps, row_step, (decay_last * ds_out, dD))
 
-    ds = jax.lax.fori_loop(0, num_chunks, chunk_step, ds)
-    plgpu.store(
-        dinit_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
-        ds,
-        mask=state_mask,
-    )
+    @pl.when(program < num_seqs)
+    def _walk():
+        # Without intermediate states only the final state carries a cotangent in: it is
+        # the one after the last chunk (and, for a sequence without chunks, d initial_states).
+        ds = jnp.zeros((bp, bn), jnp.float32) if intermediate else load_state(dstates_ref, b)
+        dD = jnp.zeros((bp,), jnp.float32)
+        ds, dD = jax.lax.fori_loop(0, num_chunks, chunk_step, (ds, dD))
+        plgpu.store(
+            dinit_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
+            ds,
+            mask=state_mask,
+        )
+        if dD_ref is not None:
+            dD_ref[b, h, :] = dD
+
+    if dz_ref is not None:
+
+        @pl.when(program >= num_seqs)
+        def _tail():  # dz of the bucket rows no sequence owns: [total, T)
+            num_tokens = dz_ref.shape[0]
+
+            def zero(r0):
+                mask = (r0 + rows < num_tokens)[:, None] & p_live[None, :]
+                at = pl.ds(r0, block_t), h, pl.ds(static_index(0), bp)
+                plgpu.store(dz_ref.at[at], jnp.zeros((block_t, bp), dz_ref.dtype), mask=mask)
+
+            max_chunks = cu_ref.shape[0] - 1
+            for_each_tail_block(
+                zero,
+                total=cu_ref[max_chunks],
+                num_rows=num_tokens,
+                block=block_t,
+                program=program - num_seqs,
+                num_programs=TAIL_PROGRAMS,
+            )
 
 
 # ------------------------------------------------------------------- 2. dx, dt', dcum, dz
@@ -460,9 +514,15 @@ def state_pass(
     intermediate,
     blocks,
     interpret,
+    row_terms: bool = False,
+    x=None,
+    D=None,
 ):
     """Stage 1: ``(dy·silu(z) [T, H, P] or None, ds_out[max_chunks, H, bp, bn],
-    dlast[H, max_chunks], d initial_states[B, H, P, N] fp32)``."""
+    dlast[H, max_chunks], d initial_states[B, H, P, N] fp32)``. With ``row_terms``
+    (a ``chunk_dx`` that computes only the chunk's sums, ``mosaic_vjp.chunk_dx``) also
+    ``(dz[T, H, P] or None, dy_y[H, max_chunks, bcs] fp32, dD partial [B, H, bp] fp32 or
+    None)``: the rows' own terms, from ``x`` and ``D[H, P]`` fp32 (or None)."""
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
     order, first, count = sequence_chunks(s, metadata)
@@ -474,6 +534,19 @@ def state_pass(
         jax.ShapeDtypeStruct((s.heads, s.max_chunks), jnp.float32),
         jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.head_dim, s.state_dim), jnp.float32),
     )
+    if row_terms:
+        out_shape += (
+            None if z is None else jax.ShapeDtypeStruct(z.shape, z.dtype),
+            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), jnp.float32),
+            None
+            if D is None
+            else jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.block_p), jnp.float32),
+        )
+    else:
+        out_shape += (None, None, None)
+    row_inputs = (None if D is None else x, res.y_ssm, D) if row_terms else (None, None, None)
+    # With dz, a few programs past the sequences zero its bucket rows.
+    tail = TAIL_PROGRAMS if row_terms and z is not None else 0
     return pl.pallas_call(
         functools.partial(
             _state_pass_kernel,
@@ -483,12 +556,27 @@ def state_pass(
             block_t=block_t,
             intermediate=intermediate,
         ),
-        grid=(s.heads, s.num_seqs),
+        grid=(s.heads, s.num_seqs + tail),
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"ssd_bwd_state_pass_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}",
-    )(order, first, count, metadata.cu_chunk_seqlens, dy, z, C, res.cum, res.carried, dstates)
+        name=(
+            f"ssd_bwd_state_pass_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}"
+            f"{'_rows' if row_terms else ''}"
+        ),
+    )(
+        order,
+        first,
+        count,
+        metadata.cu_chunk_seqlens,
+        dy,
+        z,
+        C,
+        res.cum,
+        res.carried,
+        dstates,
+        *row_inputs,
+    )
 
 
 def chunk_dx(s: ScanShapes, cu, x, B, res: Residuals, ds_out, D, z, dy, dyg, *, blocks, interpret):
@@ -587,11 +675,17 @@ def ssd_scan_backward(
     return_intermediate_states: bool,
     config: BackwardBlockSizes,
     interpret: bool = False,
+    chunk_dx_fn=None,
 ) -> tuple[jax.Array | None, ...]:
     """Cotangents ``(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, d initial_states)`` of
     :func:`pallas_kernels.ssd.triton.ssd_scan` (None for the inputs that are None) from
     those of ``y[T, H, P]`` (``dy``) and of the returned states (``dstates``: final
-    ``[B, H, P, N]`` or intermediate ``[max_chunks, H, P, N]``), in the inputs' dtypes."""
+    ``[B, H, P, N]`` or intermediate ``[max_chunks, H, P, N]``), in the inputs' dtypes.
+
+    ``chunk_dx_fn(s, metadata, x, B, C, residuals, ds_out, D[H, P] or None, dyg) -> (dx,
+    ddt, q)`` replaces stage 2's sums over the chunk (the Mosaic GPU backend's,
+    ``mosaic_vjp.chunk_dx``; its per-row outputs may hold anything past a chunk's end);
+    the rows' own terms (dz, ``dy · y_ssm``, the D partial) then come from stage 1."""
     f32 = jnp.float32
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
@@ -599,7 +693,7 @@ def ssd_scan_backward(
     dy = dy.astype(x.dtype)
     D_hp = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    dyg, ds_out, dlast, dinit = state_pass(
+    dyg, ds_out, dlast, dinit, dz, dy_y, dD_part = state_pass(
         s,
         metadata,
         dy,
@@ -610,20 +704,30 @@ def ssd_scan_backward(
         intermediate=return_intermediate_states,
         blocks=config,
         interpret=interpret,
+        row_terms=chunk_dx_fn is not None,
+        x=x,
+        D=D_hp,
     )
     dyg = dy if dyg is None else dyg  # no gate: the pre-gate cotangent is dy
-    dx, dz, ddt_k, dcum, q, dD_part = chunk_dx(
-        s, cu, x, B, residuals, ds_out, D_hp, z, dy, dyg, blocks=config, interpret=interpret
-    )
+    bcs = s.block_chunk
+    lengths = cu[1:] - cu[:-1]
+    valid = jnp.arange(bcs)[None, :] < lengths[:, None]  # [max_chunks, bcs]
+    if chunk_dx_fn is None:
+        dx, dz, ddt_k, dcum, q, dD_part = chunk_dx(
+            s, cu, x, B, residuals, ds_out, D_hp, z, dy, dyg, blocks=config, interpret=interpret
+        )
+    else:
+        dx, ddt_k, q = chunk_dx_fn(s, metadata, x, B, C, residuals, ds_out, D_hp, dyg)
+        # Past a chunk's end (and in padding chunks) the per-row outputs are unwritten.
+        ddt_k = jnp.where(valid[None], ddt_k, 0.0)
+        q = jnp.where(valid[None], q, 0.0)
+        dcum = jnp.where(valid[None], dy_y - residuals.dt_chunks * ddt_k, 0.0)
     dB_part, dC_part = chunk_dbc(
         s, cu, x, B, C, residuals, ds_out, dyg, blocks=config, interpret=interpret
     )
 
     # The decay: a_k = dt'_k A enters cum_i for every i >= k of its chunk, and the chunk
     # total cum_last (whose cotangent is dlast + Σ q) for every k of it.
-    bcs = s.block_chunk
-    lengths = cu[1:] - cu[:-1]
-    valid = jnp.arange(bcs)[None, :] < lengths[:, None]  # [max_chunks, bcs]
     total = dlast + jnp.sum(q, axis=2)  # [H, max_chunks]
     da = jnp.flip(jnp.cumsum(jnp.flip(dcum, 2), axis=2), 2) + total[:, :, None]
     da = jnp.where(valid[None], da, 0.0)
@@ -658,7 +762,8 @@ def ssd_scan_backward(
 
     dD = None
     if D is not None:
-        dD_hp = jnp.sum(dD_part, axis=(0, 1))[:, :P]
+        # Partials [bcs / block_m, max_chunks, H, bp] (chunk_dx) or [B, H, bp] (state_pass).
+        dD_hp = jnp.sum(dD_part, axis=tuple(range(dD_part.ndim - 2)))[:, :P]
         dD = (dD_hp if D.ndim == 2 else jnp.sum(dD_hp, axis=1)).astype(D.dtype)
     return (
         dx,

@@ -427,7 +427,7 @@ def test_internal_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
     res = ssd_config.Residuals(*saved)
     s = ssd_config.ScanShapes.of(x, B, metadata)
     default = ssd_config.default_backward_block_sizes(CONFIG)
-    dyg, ds_out, _, _ = ssd_vjp.state_pass(
+    dyg, ds_out, *_ = ssd_vjp.state_pass(
         s, metadata, dy, z, C, res, dstates, intermediate=False, blocks=default, interpret=True
     )
     total = int(metadata.cu_chunk_seqlens[-1])
@@ -446,6 +446,78 @@ def test_internal_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
     for other in sums[1:]:
         for name, a, b in zip(("dB", "dC"), sums[0], other, strict=True):
             assert_close(a, b, rtol=1e-6, name=name)
+
+
+def test_internal_ssd_backward_row_terms_on_the_state_pass():
+    """With a ``chunk_dx_fn`` (the Mosaic backend's on a GPU) the rows' own terms (dz,
+    ∂cum's ``dy · y_ssm``, D's partial) come from the state pass's walk, dz's bucket rows
+    zeroed there, and the stage's per-row outputs past each chunk's end are selected away:
+    a stand-in giving the Triton chunk_dx's sums, NaN past every chunk's end, reproduces
+    the Triton backward's gradients from NaN-poisoned bucket rows."""
+    primals, metadata, qsl = _inputs(12)
+    total = int(qsl[-1])
+    primals = tuple(
+        p.at[total:].set(jnp.nan) if i in (0, 1, 3, 4, 6) else p for i, p in enumerate(primals)
+    )
+    x, _, _, B, C, D, z, _, _ = primals
+    rng = np.random.default_rng(13)
+    dy = normal(rng, x.shape)
+    dstates = normal(rng, (len(LENGTHS), H, P, N))
+    options = dict(
+        metadata=metadata,
+        dt_softplus=True,
+        dt_limit=DT_LIMIT,
+        return_intermediate_states=False,
+    )
+    _, _, saved = ssd_triton._forward(
+        *primals,
+        metadata,
+        state_dtype=jnp.float32,
+        config=CONFIG,
+        interpret=True,
+        residuals=True,
+        **{k: v for k, v in options.items() if k != "metadata"},
+    )
+    res = ssd_config.Residuals(*saved)
+    blocks = ssd_config.default_backward_block_sizes(CONFIG)
+    cu = metadata.cu_chunk_seqlens
+    past_end = jnp.arange(CS)[None, None, :] >= (cu[1:] - cu[:-1])[None, :, None]
+
+    def stand_in(s, md, x, B, C, res, ds_out, D, dyg):
+        dx, _, ddt, _, q, _ = ssd_vjp.chunk_dx(
+            s,
+            md.cu_chunk_seqlens,
+            x,
+            B,
+            res,
+            ds_out,
+            D,
+            None,
+            dyg,
+            dyg,
+            blocks=blocks,
+            interpret=True,
+        )
+        return dx, jnp.where(past_end, jnp.nan, ddt), jnp.where(past_end, jnp.nan, q)
+
+    def backward(chunk_dx_fn):
+        return ssd_vjp.ssd_scan_backward(
+            *primals,
+            res,
+            dy,
+            dstates,
+            config=blocks,
+            interpret=True,
+            chunk_dx_fn=chunk_dx_fn,
+            **options,
+        )
+
+    want = backward(None)
+    got = backward(stand_in)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert_close(as_f32(g), as_f32(w), rtol=1e-6, name=name)
+    np.testing.assert_array_equal(as_f32(got[6])[total:], 0.0)  # dz of the bucket rows
+    assert D.shape == (H, P) and z is not None  # both row terms ran
 
 
 def test_ssd_triton_backward_runs_its_own_kernels():
@@ -521,10 +593,11 @@ def test_internal_ssd_backward_kernels_lower_for_cuda():
 
 
 def test_internal_mosaic_gradients_lower_for_cuda():
-    """Under differentiation the Mosaic backend's forward stays Mosaic and writes the Triton
+    """Under differentiation the Mosaic backend's forward stays Mosaic and writes the
     backward's residuals: the state scan storing every chunk's carried state, the chunk
     scan, and its fp32 ``y_ssm`` pass (the only pass without D and z); no Triton forward
-    stage but C·Bᵀ. G 8 with one head per group takes the Triton state scan."""
+    stage but C·Bᵀ. G 8 with one head per group takes the Triton state scan. The backward's
+    chunk_dx is Mosaic, with the rows' own terms on the Triton state pass."""
     for T, num_seqs, heads, groups, cs, gated, with_D, mosaic_states in (
         (1024, 3, 8, 1, 256, True, True, True),
         (512, 2, 8, 8, 128, False, False, False),
@@ -579,8 +652,15 @@ def test_internal_mosaic_gradients_lower_for_cuda():
         assert any(k.startswith(state_scan) for k in kernels), kernels
         assert not any(k.startswith("ssd_chunk_scan_cs") for k in kernels), kernels
         assert not any("skip1" in k for k in kernels), kernels
-        for name in ("ssd_chunk_cb", "ssd_bwd_state_pass", "ssd_bwd_chunk_dx", "ssd_bwd_chunk_dbc"):
+        # The backward: the Mosaic chunk_dx, the rows' own terms on the state pass's walk.
+        for name in (
+            "ssd_chunk_cb",
+            "ssd_mosaic_bwd_chunk_dx",
+            "ssd_bwd_chunk_dbc",
+        ):
             assert any(k.startswith(name) for k in kernels), (name, kernels)
+        assert any(re.fullmatch(r"ssd_bwd_state_pass_\w+_rows", k) for k in kernels), kernels
+        assert not any(k.startswith("ssd_bwd_chunk_dx") for k in kernels), kernels
 
 
 @pytest.mark.gpu

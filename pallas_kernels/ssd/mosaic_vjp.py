@@ -1,0 +1,471 @@
+"""The SSD scan's backward on the tensor cores: ``chunk_dx`` as a Pallas Mosaic GPU kernel
+(Hopper: wgmma, TMA), beside the Triton stages of ``ssd/triton_vjp.py``.
+
+``chunk_dx`` is the forward's chunk scan (``mosaic.py``) transposed. Per chunk and head,
+for the chunk's rows ``j``,
+
+    g_j = exp(cum_last − cum_j) B_j · ds_out  +  Σ_{i ≥ j} (B_j · C_i) exp(cum_i − cum_j) dy_i
+
+(the chunk scan's ``y_i`` with B and C exchanged, ``dy`` for ``dt' x``, the state
+cotangent after the chunk ``ds_out`` for the carried state and the causal block mirrored),
+giving ``dx_j = dt'_j g_j + D dy_j``, ``∂dt'_j = x_j · g_j`` and the state's part of the
+chunk total's cotangent, ``q_j = dt'_j x_j · exp(cum_last − cum_j) B_j ds_outᵀ``. The
+rows' own terms (dz, ``dy · y_ssm``, the D partial) need no sum over the chunk: the
+Triton ``state_pass`` computes them on its walk (``row_terms``), so this kernel reads
+neither z nor the fp32 ``y_ssm``.
+
+The thread block is the chunk scan's: one per (chunk, 128 of its rows, block of heads of
+one B/C group), a producer warpgroup TMA-copying into a ring of shared-memory slots, two
+consumer warpgroups with fp32 accumulators in registers; consumer k owns the row block
+``b = 2 × half + k``. The producer copies the block's B rows and the chunk's C once; each
+consumer computes its rows of ``B Cᵀ`` (entries ``i ≥ j`` of the chunk, the rest
+selected to 0) into shared memory for every head of the block; then the ring carries per
+head the chunk's ``dy`` rows (gated: ``state_pass``'s ``dyg``), ``ds_out``, dt' and cum.
+Right of the diagonal block the decay factors through the row block's **last** row r
+(cum falls along the chunk: ``cum_i <= cum_r <= cum_j``): ``exp(cum_i − cum_r)`` per
+column, ``exp(cum_r − cum_j)`` per row, both <= 1, and the state term's
+``exp(cum_last − cum_j) = exp(cum_last − cum_r) exp(cum_r − cum_j)``. Each consumer
+copies its 64 rows of x into its output tile (they land while the products run), and
+``dx`` leaves through the same tile.
+
+A short chunk's tiles hold the next rows of the packed batch (NaN in tests): ``B Cᵀ`` is
+selected to 0 past the chunk and the consumers zero the ``dy`` rows past it in shared
+memory (``0 × NaN`` is NaN); the rows of ``dx`` past the chunk are never stored, and
+``ddt``/``q`` past a chunk's end (and of padding chunks) are left for the caller to
+select away. A few extra blocks zero ``dx``'s bucket rows no chunk owns.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Final
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._common import decay_factor
+from pallas_kernels._mosaic import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    SWIZZLE_BYTES,
+    produce_ring,
+    store_rows,
+    swizzled_tiles,
+    zero_rows_past_chunks,
+)
+from pallas_kernels.ssd import triton_config
+from pallas_kernels.ssd.mosaic_config import (
+    BLOCK_ROWS,
+    CONSUMERS,
+    HEAD_DIM,
+    ROWS,
+    BlockSizes,
+    cb_blocks,
+    default_heads_per_block,
+)
+
+_COLUMNS: Final = 64  # 16-bit columns of a swizzled tile (128 bytes)
+_TAIL_BLOCKS: Final = 2  # blocks past the chunks that zero dx's bucket rows
+
+
+def _chunk_dx_kernel(
+    cu_ref,  # [max_chunks + 1] int32
+    x_ref,  # [T, H, P]
+    B_ref,  # [T, G, N]
+    C_ref,  # [T, G, N]
+    dt_ref,  # [H, max_chunks, cs] fp32: dt'
+    cum_ref,  # [H, max_chunks, cs] fp32
+    ds_out_ref,  # [max_chunks, H, P, N] in x's dtype: the state cotangent after the chunk
+    dy_ref,  # [T, H, P] in x's dtype: the pre-gate output's cotangent
+    *rest,  # D_ref [H, P] fp32 (if given), dx_ref [T, H, P], ddt_ref, q_ref [H, chunks, cs]
+    has_D: bool,
+    heads_per_group: int,
+    heads_per_block: int,
+    num_stages: int,
+):
+    D_ref = rest[0] if has_D else None
+    dx_ref, ddt_ref, q_ref = rest[-3:]
+    chunk_size = dt_ref.shape[2]
+    state_tiles = B_ref.shape[2] // _COLUMNS
+    max_chunks = cu_ref.shape[0] - 1
+    num_blocks = chunk_size // ROWS
+    num_halves = chunk_size // BLOCK_ROWS
+    dtype, f32 = x_ref.dtype, jnp.float32
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_vector, column_vector = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    block_shape = (ROWS, _COLUMNS)
+
+    def iota(dim):
+        return plgpu.broadcasted_iota(jnp.int32, block_shape, dim, layout=wgmma_layout)
+
+    def body(
+        b_views,
+        ring_views,
+        bct_smem,
+        dt_smem,
+        cum_smem,
+        d_smem,
+        out_views,
+        vec_smem,
+        b_full,
+        c_full,
+        bct_done,
+        dy_full,
+        ds_full,
+        dt_full,
+        cum_full,
+        d_full,
+        zeroed,
+        free,
+        x_full,
+    ):
+        b_tiles, b_flat = b_views
+        out_tiles, out_flat, out_rows = out_views
+        c_tiles, c_flat, (dy_tiles, ds_tiles), dy_flat = ring_views
+        chunk = lax.axis_index("chunk")
+        half = lax.axis_index("half")
+        h0 = lax.axis_index("heads") * heads_per_block
+        group = lax.div(h0, heads_per_group)
+        wg = lax.axis_index("wg")
+        is_chunk = chunk < max_chunks
+        c = jnp.minimum(chunk, max_chunks - 1)
+        start = cu_ref[c]
+        length = jnp.where(is_chunk, cu_ref[c + 1] - start, 0)
+        # The block's rows [row_lo, row_lo + 128): consumer k's row block 2 * half + k sees
+        # the chunk's column blocks [2 * half + k, n_live).
+        row_lo = half * BLOCK_ROWS
+        works = length > row_lo
+        n_live = lax.div(length + ROWS - 1, ROWS)
+        chunk_rows = pl.ds(start, chunk_size)
+
+        @pl.when((wg == CONSUMERS) & works)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            for t in range(state_tiles):
+                columns = pl.ds(t * _COLUMNS, _COLUMNS)
+                block_rows = pl.ds(start + row_lo, BLOCK_ROWS)
+                plgpu.copy_gmem_to_smem(
+                    B_ref.at[block_rows, group, columns], b_flat.at[t], b_full.at[t]
+                )
+                plgpu.copy_gmem_to_smem(
+                    C_ref.at[chunk_rows, group, columns], c_flat.at[t], c_full.at[t]
+                )
+            # The ring reuses C's shared memory: it fills once B·Cᵀ is computed.
+            plgpu.barrier_wait(bct_done)
+
+            def load(i, slot):
+                h = h0 + i
+                plgpu.copy_gmem_to_smem(
+                    dy_ref.at[chunk_rows, h], dy_flat.at[slot], dy_full.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(ds_out_ref.at[c, h], ds_tiles.at[slot], ds_full.at[slot])
+                plgpu.copy_gmem_to_smem(dt_ref.at[h, c], dt_smem.at[slot], dt_full.at[slot])
+                plgpu.copy_gmem_to_smem(cum_ref.at[h, c], cum_smem.at[slot], cum_full.at[slot])
+                if has_D:
+                    plgpu.copy_gmem_to_smem(D_ref.at[h], d_smem.at[slot], d_full.at[slot])
+
+            produce_ring(load, heads_per_block, free, num_stages=num_stages)
+
+        @pl.when((wg < CONSUMERS) & works)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            k = wg
+            b = 2 * half + k  # the consumer's row block of the chunk
+            rows_b = pl.ds(k * ROWS, ROWS)  # of the block's B tile
+            rows_j = pl.ds(b * ROWS, ROWS)  # of the chunk
+            bct_first = k * (num_blocks - 2 * half)  # consumer 1's blocks follow consumer 0's
+            live = jnp.clip(length - b * ROWS, 0, ROWS)
+            for t in range(state_tiles):
+                plgpu.barrier_wait(b_full.at[t])
+                plgpu.barrier_wait(c_full.at[t])
+
+            # The row block's B·Cᵀ, entries i >= j inside the chunk only (the rest selected
+            # to 0: past the chunk C holds other rows), kept for every head.
+            @pl.loop(b, n_live)
+            def _bct(ib):
+                def product(acc_ref):
+                    for t in range(state_tiles):
+                        plgpu.wgmma(
+                            acc_ref,
+                            b_tiles.at[t, rows_b],
+                            c_tiles.at[t, pl.ds(ib * ROWS, ROWS)].T,
+                        )
+                    return acc_ref[...]
+
+                value = pl.run_scoped(product, plgpu.ACC(block_shape, f32))
+                column = ib * ROWS + iota(1)
+                keep = (column < length) & (b * ROWS + iota(0) <= column)
+                bct_smem.at[bct_first + ib - b][...] = jnp.where(keep, value, 0.0).astype(dtype)
+
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(bct_done)
+
+            def head(i, carry):
+                slot = lax.rem(i, num_stages)
+                h = h0 + i
+                dy_tile = dy_tiles.at[slot]
+                plgpu.barrier_wait(dy_full.at[slot])
+
+                @pl.when(lax.rem(length, ROWS) != 0)
+                def _zero_past_chunk():
+                    # The dy rows past the chunk in its last (partial) column block, which
+                    # this block reads: B·Cᵀ is 0 there, but 0 × NaN is not.
+                    last = lax.div(length, ROWS)
+
+                    @pl.when(lax.rem(last, CONSUMERS) == k)
+                    def _zero():
+                        tile = dy_tile.at[pl.ds(last * ROWS, ROWS)]
+                        v = plgpu.load(tile, layout=wgmma_layout)
+                        keep = last * ROWS + iota(0) < length
+                        tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(zeroed.at[slot])
+                    plgpu.barrier_wait(zeroed.at[slot])
+
+                plgpu.barrier_wait(ds_full.at[slot])
+                plgpu.barrier_wait(dt_full.at[slot])
+                plgpu.barrier_wait(cum_full.at[slot])
+                if has_D:
+                    plgpu.barrier_wait(d_full.at[slot])
+                # Output tiles alternate, one bulk store group per head: a tile is
+                # rewritten once the stores from it two heads ago have read it.
+                out_slot = lax.rem(i, 2)
+
+                @pl.when(live <= 0)
+                def _no_rows():
+                    plgpu.commit_smem_to_gmem_group()  # an empty group keeps the count
+
+                @pl.when(live > 0)
+                def _row_block():
+                    row0 = start + b * ROWS
+                    out_tile = out_tiles.at[k, out_slot]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    # x's rows into the output tile; they land while the products run.
+                    plgpu.copy_gmem_to_smem(
+                        x_ref.at[pl.ds(row0, ROWS), h], out_flat.at[k, out_slot], x_full.at[k]
+                    )
+                    cum_j = plgpu.load(cum_smem.at[slot, rows_j], layout=row_vector)
+                    dt_j = plgpu.load(dt_smem.at[slot, rows_j], layout=row_vector)
+                    # Past a short chunk's end cum holds cum_last (dt' is 0 there).
+                    cum_r = cum_smem[slot, b * ROWS + ROWS - 1]
+                    cum_last = cum_smem[slot, chunk_size - 1]
+
+                    def from_state(acc_ref):
+                        for t in range(state_tiles):
+                            ds_t = ds_tiles.at[slot, :, pl.ds(t * _COLUMNS, _COLUMNS)]
+                            plgpu.wgmma(acc_ref, b_tiles.at[t, rows_b], ds_t.T)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(from_state, plgpu.ACC(block_shape, f32))
+                    acc = acc * decay_factor(cum_last - cum_r)
+                    row_decay = decay_factor(cum_r - cum_j)
+                    plgpu.barrier_wait(x_full.at[k])
+                    x = plgpu.load(out_tile, layout=wgmma_layout).astype(f32)
+                    q = dt_j * row_decay * jnp.sum(x * acc, axis=1)
+
+                    def column_block(ib, acc, *, diagonal):
+                        columns = pl.ds(ib * ROWS, ROWS)
+                        cum_i = plgpu.load(cum_smem.at[slot, columns], layout=column_vector)
+                        bct = plgpu.load(bct_smem.at[bct_first + ib - b], layout=wgmma_layout)
+                        if diagonal:
+                            decay = decay_factor(
+                                lax.broadcast_in_dim(cum_i, block_shape, [1])
+                                - lax.broadcast_in_dim(cum_j, block_shape, [0])
+                            )
+                        else:
+                            decay = lax.broadcast_in_dim(
+                                decay_factor(cum_i - cum_r), block_shape, [1]
+                            )
+                        w = bct.astype(f32) * decay
+
+                        def product(acc_ref):
+                            plgpu.wgmma(acc_ref, w.astype(dtype), dy_tile.at[columns])
+
+                        return pl.run_state(product)(plgpu.ACC.init(acc))
+
+                    acc = lax.fori_loop(
+                        b + 1, n_live, functools.partial(column_block, diagonal=False), acc
+                    )
+                    acc = acc * lax.broadcast_in_dim(row_decay, block_shape, [0])
+                    g = column_block(b, acc, diagonal=True)
+                    ddt = jnp.sum(x * g, axis=1)
+                    dx = g * lax.broadcast_in_dim(dt_j, block_shape, [0])
+                    if has_D:
+                        dy_j = plgpu.load(dy_tile.at[rows_j], layout=wgmma_layout).astype(f32)
+                        d = plgpu.load(d_smem.at[slot], layout=column_vector)
+                        dx = dx + dy_j * lax.broadcast_in_dim(d, block_shape, [1])
+                    vectors = vec_smem.at[k, out_slot]
+                    vectors.at[0][...] = ddt
+                    vectors.at[1][...] = q
+                    dx = dx.astype(dtype)
+                    whole = live == ROWS
+
+                    @pl.when(whole)
+                    def _stage_block():  # swizzled, for one 64-row store
+                        out_tile[...] = dx
+
+                    @pl.when(~whole)
+                    def _stage_chunk_end():  # unswizzled, for the store ladder
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_rows.at[k, out_slot][...] = dx
+
+                    plgpu.commit_smem()
+                    # The rows' vectors whole (the caller selects past the chunk's end),
+                    # then dx: one bulk group per head.
+                    for v, ref in enumerate((ddt_ref, q_ref)):
+                        plgpu.copy_smem_to_gmem(
+                            vectors.at[v], ref.at[h, c, rows_j], commit_group=False
+                        )
+
+                    @pl.when(whole)
+                    def _whole_block():  # one swizzled 64-row store, at any row
+                        plgpu.copy_smem_to_gmem(
+                            out_flat.at[k, out_slot], dx_ref.at[pl.ds(row0, ROWS), h]
+                        )
+
+                    @pl.when(~whole)
+                    def _chunk_end():  # the chunk's last rows, through the store ladder
+                        store_rows(
+                            out_rows.at[k, out_slot],
+                            dx_ref,
+                            row0=row0,
+                            first=0,
+                            live=live,
+                            head=h,
+                            wait=False,
+                        )
+
+                plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            lax.fori_loop(0, heads_per_block, head, None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(~is_chunk & (wg < CONSUMERS))
+        def _tail():
+            zero_rows_past_chunks(
+                out_rows.at[wg, 0],
+                dx_ref,
+                total=cu_ref[max_chunks],
+                worker=((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg,
+                workers=_TAIL_BLOCKS * num_halves * CONSUMERS,
+                head0=h0,
+                num_heads=heads_per_block,
+            )
+
+    tiles = swizzled_tiles(dtype)
+    flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
+    state_dim = B_ref.shape[2]
+    pl.run_scoped(
+        body,
+        # The block's 128 rows of B: tiles for wgmma, aliased by a swizzle-only view that
+        # TMA copies into at any row.
+        plgpu.RefUnion(
+            plgpu.SMEM((state_tiles, BLOCK_ROWS, _COLUMNS), dtype, transforms=tiles),
+            plgpu.SMEM((state_tiles, BLOCK_ROWS, _COLUMNS), dtype, transforms=flat),
+        ),
+        # The chunk's C (for B·Cᵀ only), then the per-head ring of dy tiles and state
+        # cotangents in its place.
+        plgpu.RefUnion(
+            plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=tiles),
+            plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=flat),
+            (
+                plgpu.SMEM((num_stages, chunk_size, HEAD_DIM), dtype, transforms=tiles),
+                plgpu.SMEM((num_stages, HEAD_DIM, state_dim), dtype, transforms=tiles),
+            ),
+            plgpu.SMEM((num_stages, chunk_size, HEAD_DIM), dtype, transforms=flat),
+        ),
+        plgpu.SMEM((cb_blocks(chunk_size), ROWS, ROWS), dtype, transforms=tiles),
+        plgpu.SMEM((num_stages, chunk_size), f32),
+        plgpu.SMEM((num_stages, chunk_size), f32),
+        plgpu.SMEM((num_stages, HEAD_DIM), f32) if has_D else None,
+        # Per consumer, two x-then-dx tiles: swizzled (wgmma layout loads and stores),
+        # their swizzle-only view (TMA at any row) and an unswizzled view (the store
+        # ladder of a chunk's last rows).
+        plgpu.RefUnion(
+            plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=tiles),
+            plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=flat),
+            plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype),
+        ),
+        plgpu.SMEM((CONSUMERS, 2, 2, ROWS), f32),
+        plgpu.Barrier(num_barriers=state_tiles),
+        plgpu.Barrier(num_barriers=state_tiles),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages) if has_D else None,
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        collective_axes="wg",
+    )
+
+
+def chunk_dx(
+    s: triton_config.ScanShapes,
+    metadata,
+    x: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    res: triton_config.Residuals,
+    ds_out: jax.Array,
+    D: jax.Array | None,
+    dyg: jax.Array,
+    *,
+    config: BlockSizes,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stage 2's sums over the chunk: ``(dx[T, H, P], ddt[H, max_chunks, cs],
+    q[H, max_chunks, cs])``, the last two fp32 and unwritten past a chunk's end (the
+    caller selects them away). ``ds_out[max_chunks, H, P, N]`` and ``dyg[T, H, P]`` come
+    from ``triton_vjp.state_pass``; ``D[H, P]`` fp32 or None."""
+    heads_per_group = s.heads // s.groups
+    heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
+    per_row = jax.ShapeDtypeStruct((s.heads, s.max_chunks, s.chunk_size), jnp.float32)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _chunk_dx_kernel,
+            has_D=D is not None,
+            heads_per_group=heads_per_group,
+            heads_per_block=heads_per_block,
+            num_stages=config.num_stages,
+        ),
+        out_type=(jax.ShapeDtypeStruct(x.shape, x.dtype), per_row, per_row),
+        # The last axis varies fastest: the head blocks of a chunk run side by side and
+        # share its B and C in L2.
+        grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // BLOCK_ROWS, s.heads // heads_per_block),
+        grid_names=("chunk", "half", "heads"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        kernel_name=(
+            f"ssd_mosaic_bwd_chunk_dx_cs{s.chunk_size}_n{s.state_dim}_hb{heads_per_block}"
+            f"_s{config.num_stages}"
+        ),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+    )
+    operands = [] if D is None else [D]
+    return kernel(
+        metadata.cu_chunk_seqlens,
+        x,
+        B,
+        C,
+        res.dt_chunks,
+        res.cum,
+        ds_out,
+        dyg,
+        *operands,
+    )
+
+
+@functools.cache
+def chunk_dx_with(config: BlockSizes):
+    """:func:`chunk_dx` with this tiling, one object per value (the backward's
+    ``chunk_dx_fn``; the Triton scan's compiled-scan cache is keyed by it)."""
+    return functools.partial(chunk_dx, config=config)
