@@ -412,18 +412,38 @@ def ssd_stage_times(
             D_hp,
             dy,
         )
-    timed(
-        "bwd_chunk_dbc",
-        lambda x, B, C, res, ds_out, dy: ssd_triton_vjp.chunk_dbc(
-            s, cu, x, B, C, res, ds_out, dy, **stage
-        ),
-        x,
-        B,
-        C,
-        residuals,
-        ds_out,
-        dy,
+    mosaic_dbc = backend == "mosaic" and ssd_mosaic_config.chunk_dbc_supports(
+        chunk_size=s.chunk_size,
+        state_dim=s.state_dim,
+        num_stages=config.num_stages,
+        itemsize=x.dtype.itemsize,
     )
+    if mosaic_dbc:
+        timed(
+            "bwd_chunk_dbc",
+            lambda x, B, C, res, ds_out, dy: ssd_mosaic_vjp.chunk_dbc(
+                s, md, x, B, C, res, ds_out, dy, config=config
+            ),
+            x,
+            B,
+            C,
+            residuals,
+            ds_out,
+            dy,
+        )
+    else:
+        timed(
+            "bwd_chunk_dbc",
+            lambda x, B, C, res, ds_out, dy: ssd_triton_vjp.chunk_dbc(
+                s, cu, x, B, C, res, ds_out, dy, **stage
+            ),
+            x,
+            B,
+            C,
+            residuals,
+            ds_out,
+            dy,
+        )
     return times
 
 

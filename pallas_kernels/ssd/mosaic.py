@@ -87,6 +87,7 @@ from pallas_kernels.ssd.mosaic_config import (
     BlockSizes,
     cb_blocks,
     check_block_sizes,
+    chunk_dbc_supports,
     chunk_dx_supports,
     default_heads_per_block,
 )
@@ -971,7 +972,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     )
     # The pair skips the zero carried states of sequences' first chunks.
     first_states_zero = mosaic_states and options["initial_states"] is None
-    dx_on_mosaic = chunk_dx_supports(
+    sizes = dict(
         chunk_size=chunk_size,
         state_dim=B.shape[2],
         num_stages=config.num_stages,
@@ -988,6 +989,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         state_scan_fn=_state_scan_with(first_states_zero) if mosaic_states else None,
         chunk_scan_fn=_chunk_scan_with(config, first_states_zero),
         residual_stages=residual_stages(config, mosaic_states),
-        chunk_dx_fn=mosaic_vjp.chunk_dx_with(config) if dx_on_mosaic else None,
+        chunk_dx_fn=mosaic_vjp.chunk_dx_with(config) if chunk_dx_supports(**sizes) else None,
+        chunk_dbc_fn=mosaic_vjp.chunk_dbc_with(config) if chunk_dbc_supports(**sizes) else None,
         **options,
     )

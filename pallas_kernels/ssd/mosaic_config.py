@@ -72,6 +72,19 @@ def chunk_dx_supports(*, chunk_size: int, state_dim: int, num_stages: int, items
     return need + _DX_VECTOR_BYTES <= SMEM_BUDGET
 
 
+def chunk_dbc_supports(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> bool:
+    """Whether the Mosaic backward's ``chunk_dbc`` (``mosaic_vjp.py``) takes these sizes:
+    its dB or dC sums ``[64, N]`` fp32 in a consumer's registers (N <= 128), and in shared
+    memory the chunk's B or C, a ring of per-head slots (the block's 128 own rows, the
+    chunk's other operand, the state) and the dt'/cum vectors."""
+    resident = chunk_size * state_dim * itemsize
+    per_head = (BLOCK_ROWS * HEAD_DIM + chunk_size * HEAD_DIM + HEAD_DIM * state_dim) * itemsize
+    vectors = num_stages * 2 * chunk_size * 4
+    staged = CONSUMERS * ROWS * state_dim * 4  # the sums on their way out, in the ring
+    ring = max(num_stages * per_head, staged)
+    return state_dim <= 128 and resident + ring + vectors <= SMEM_BUDGET
+
+
 def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
     """Why the Mosaic GPU chunk scan cannot take this call (None: it can). Static facts
     only: shapes and dtypes."""

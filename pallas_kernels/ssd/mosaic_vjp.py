@@ -469,3 +469,343 @@ def chunk_dx_with(config: BlockSizes):
     """:func:`chunk_dx` with this tiling, one object per value (the backward's
     ``chunk_dx_fn``; the Triton scan's compiled-scan cache is keyed by it)."""
     return functools.partial(chunk_dx, config=config)
+
+
+# ---------------------------------------------------------------------- chunk_dbc: dB, dC
+
+
+def _chunk_dbc_kernel(
+    cu_ref,  # [max_chunks + 1] int32
+    own_ref,  # [T, H, P]: the rows' own operand (dy for dC, x for dB)
+    other_ref,  # [T, H, P]: the chunk's other operand (x for dC, dy for dB)
+    kept_ref,  # [T, G, N]: the group's rows the products end in (B for dC, C for dB)
+    state_ref,  # [max_chunks, H, P, N] in x's dtype: s_in (dC) or ds_out (dB)
+    dt_ref,  # [H, max_chunks, cs] fp32: dt'
+    cum_ref,  # [H, max_chunks, cs] fp32
+    out_ref,  # [splits, N / 64, T, G, 64] fp32: this head split's dC or dB
+    *,
+    for_dc: bool,
+    heads_per_group: int,
+    heads_per_block: int,
+    num_stages: int,
+):
+    chunk_size = dt_ref.shape[2]
+    state_tiles = kept_ref.shape[2] // _COLUMNS
+    splits = heads_per_group // heads_per_block
+    dtype, f32 = own_ref.dtype, jnp.float32
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_vector, column_vector = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    block_shape = (ROWS, _COLUMNS)
+
+    def iota(dim):
+        return plgpu.broadcasted_iota(jnp.int32, block_shape, dim, layout=wgmma_layout)
+
+    def body(
+        kept_views,
+        ring_views,
+        dt_smem,
+        cum_smem,
+        kept_full,
+        own_full,
+        other_full,
+        state_full,
+        dt_full,
+        cum_full,
+        zeroed,
+        free,
+        done,
+    ):
+        kept_tiles, kept_flat = kept_views
+        (own_tiles, other_tiles, state_tiles_smem), own_flat, (_, other_flat), staged = ring_views
+        c = lax.axis_index("chunk")
+        half = lax.axis_index("half")
+        group_split = lax.axis_index("heads")
+        group, split = lax.div(group_split, splits), lax.rem(group_split, splits)
+        h0 = group * heads_per_group + split * heads_per_block
+        wg = lax.axis_index("wg")
+        start = cu_ref[c]
+        length = cu_ref[c + 1] - start
+        row_lo = half * BLOCK_ROWS
+        works = length > row_lo
+        n_live = lax.div(length + ROWS - 1, ROWS)
+        chunk_rows = pl.ds(start, chunk_size)
+
+        @pl.when((wg == CONSUMERS) & works)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            for t in range(state_tiles):
+                columns = pl.ds(t * _COLUMNS, _COLUMNS)
+                plgpu.copy_gmem_to_smem(
+                    kept_ref.at[chunk_rows, group, columns], kept_flat.at[t], kept_full.at[t]
+                )
+
+            def load(i, slot):
+                h = h0 + i
+                plgpu.copy_gmem_to_smem(
+                    own_ref.at[pl.ds(start + row_lo, BLOCK_ROWS), h],
+                    own_flat.at[slot],
+                    own_full.at[slot],
+                )
+                plgpu.copy_gmem_to_smem(
+                    other_ref.at[chunk_rows, h], other_flat.at[slot], other_full.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    state_ref.at[c, h], state_tiles_smem.at[slot], state_full.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(dt_ref.at[h, c], dt_smem.at[slot], dt_full.at[slot])
+                plgpu.copy_gmem_to_smem(cum_ref.at[h, c], cum_smem.at[slot], cum_full.at[slot])
+
+            produce_ring(load, heads_per_block, free, num_stages=num_stages)
+
+        @pl.when((wg < CONSUMERS) & works)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            k = wg
+            b = 2 * half + k  # the consumer's row block of the chunk
+            rows_k = pl.ds(k * ROWS, ROWS)  # of the block's own tile
+            rows_b = pl.ds(b * ROWS, ROWS)  # of the chunk
+            live = jnp.clip(length - b * ROWS, 0, ROWS)
+            for t in range(state_tiles):
+                plgpu.barrier_wait(kept_full.at[t])
+
+            @pl.when(lax.rem(length, ROWS) != 0)
+            def _zero_past_chunk():
+                # The kept rows past the chunk in its last (partial) block: ∂W is selected
+                # to 0 there, but 0 × NaN is not.
+                last = lax.div(length, ROWS)
+
+                @pl.when(lax.rem(last, CONSUMERS) == k)
+                def _zero():
+                    for t in range(state_tiles):
+                        tile = kept_tiles.at[t, pl.ds(last * ROWS, ROWS)]
+                        v = plgpu.load(tile, layout=wgmma_layout)
+                        keep = last * ROWS + iota(0) < length
+                        tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(zeroed)
+                plgpu.barrier_wait(zeroed)
+
+            def products(slot, acc):
+                own = own_tiles.at[slot, rows_k]
+                other = other_tiles.at[slot]
+                cum_r = plgpu.load(cum_smem.at[slot, rows_b], layout=row_vector)
+                dt_r = plgpu.load(dt_smem.at[slot, rows_b], layout=row_vector)
+                cum_last = cum_smem[slot, chunk_size - 1]
+                # The state's part, summed over the heads: exp(cum_r) dy_r s_in into dC,
+                # exp(cum_last - cum_r) dt'_r x_r ds_out into dB.
+                scale = decay_factor(cum_r) if for_dc else decay_factor(cum_last - cum_r) * dt_r
+                a = plgpu.load(own, layout=wgmma_layout).astype(f32)
+                a = (a * lax.broadcast_in_dim(scale, block_shape, [0])).astype(dtype)
+
+                def state_product(acc_refs):
+                    for t in range(state_tiles):
+                        state_t = state_tiles_smem.at[slot, :, pl.ds(t * _COLUMNS, _COLUMNS)]
+                        plgpu.wgmma(acc_refs[t], a, state_t)
+
+                acc = pl.run_state(state_product)(tuple(plgpu.ACC.init(v) for v in acc))
+
+                # The causal block: ∂W_ij = (dy_i · x_j) exp(cum_i − cum_j) dt'_j (i >= j)
+                # ends in dC_i += ∂W_ij B_j over the column blocks j <= the rows, and in
+                # dB_j += ∂W_ijᵀ C_i over the row blocks i >= them; off the diagonal block
+                # the decay factors through the row block's edge row R (cum falls along
+                # the chunk): exp(cum_i - cum_R) exp(cum_R - cum_j), both <= 1.
+                edge = b * ROWS if for_dc else b * ROWS + ROWS - 1
+                cum_edge = cum_smem[slot, edge]
+
+                def pair(jb, acc, *, diagonal):
+                    columns = pl.ds(jb * ROWS, ROWS)
+
+                    def dw_product(acc_ref):
+                        plgpu.wgmma(acc_ref, own, other.at[columns].T)
+                        return acc_ref[...]
+
+                    dw = pl.run_scoped(dw_product, plgpu.ACC(block_shape, f32))
+                    cum_c = plgpu.load(cum_smem.at[slot, columns], layout=column_vector)
+                    row = b * ROWS + iota(0)
+                    column = jb * ROWS + iota(1)
+                    keep = column < length
+                    if for_dc:  # rows r = i, columns j: exp(cum_r - cum_j) dt'_j
+                        dt_c = plgpu.load(dt_smem.at[slot, columns], layout=column_vector)
+                        if diagonal:
+                            decay = decay_factor(
+                                lax.broadcast_in_dim(cum_r, block_shape, [0])
+                                - lax.broadcast_in_dim(cum_c, block_shape, [1])
+                            ) * lax.broadcast_in_dim(dt_c, block_shape, [1])
+                            keep = keep & (row >= column)
+                        else:
+                            decay = lax.broadcast_in_dim(
+                                decay_factor(cum_r - cum_edge), block_shape, [0]
+                            ) * lax.broadcast_in_dim(
+                                decay_factor(cum_edge - cum_c) * dt_c, block_shape, [1]
+                            )
+                    else:  # rows r = j, columns i: exp(cum_i - cum_r) dt'_r
+                        if diagonal:
+                            decay = decay_factor(
+                                lax.broadcast_in_dim(cum_c, block_shape, [1])
+                                - lax.broadcast_in_dim(cum_r, block_shape, [0])
+                            ) * lax.broadcast_in_dim(dt_r, block_shape, [0])
+                            keep = keep & (column >= row)
+                        else:
+                            decay = lax.broadcast_in_dim(
+                                decay_factor(cum_edge - cum_r) * dt_r, block_shape, [0]
+                            ) * lax.broadcast_in_dim(
+                                decay_factor(cum_c - cum_edge), block_shape, [1]
+                            )
+                    w = jnp.where(keep, dw * decay, 0.0).astype(dtype)
+
+                    def kept_product(acc_refs):
+                        for t in range(state_tiles):
+                            plgpu.wgmma(acc_refs[t], w, kept_tiles.at[t, columns])
+
+                    return pl.run_state(kept_product)(tuple(plgpu.ACC.init(v) for v in acc))
+
+                if for_dc:
+                    acc = lax.fori_loop(0, b, functools.partial(pair, diagonal=False), acc)
+                    return pair(b, acc, diagonal=True)
+                acc = pair(b, acc, diagonal=True)
+                return lax.fori_loop(b + 1, n_live, functools.partial(pair, diagonal=False), acc)
+
+            def head(i, acc):
+                slot = lax.rem(i, num_stages)
+                plgpu.barrier_wait(own_full.at[slot])
+                plgpu.barrier_wait(other_full.at[slot])
+                plgpu.barrier_wait(state_full.at[slot])
+                plgpu.barrier_wait(dt_full.at[slot])
+                plgpu.barrier_wait(cum_full.at[slot])
+                acc = lax.cond(live > 0, functools.partial(products, slot), lambda a: a, acc)
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            zeros = plgpu.layout_cast(jnp.zeros(block_shape, f32), wgmma_layout)
+            acc = lax.fori_loop(0, heads_per_block, head, (zeros,) * state_tiles)
+            # The ring is free once both consumers are past their last head: its bytes
+            # stage the sums on their way out.
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+
+            @pl.when(live > 0)
+            def _store():
+                row0 = start + b * ROWS
+                for t in range(state_tiles):
+                    tile = staged.at[k, t]
+                    tile[...] = acc[t]
+                plgpu.commit_smem()
+                for t in range(state_tiles):
+                    store_rows(
+                        staged.at[k, t],
+                        out_ref.at[split, t],
+                        row0=row0,
+                        first=0,
+                        live=live,
+                        head=group,
+                        wait=False,
+                    )
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    tiles = swizzled_tiles(dtype)
+    flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
+    state_dim = kept_ref.shape[2]
+    ring_own = (num_stages, BLOCK_ROWS, HEAD_DIM)
+    ring_other = (num_stages, chunk_size, HEAD_DIM)
+    pl.run_scoped(
+        body,
+        # The chunk's B or C for every head of the block: tiles for wgmma, aliased by a
+        # swizzle-only view that TMA copies into at any row.
+        plgpu.RefUnion(
+            plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=tiles),
+            plgpu.SMEM((state_tiles, chunk_size, _COLUMNS), dtype, transforms=flat),
+        ),
+        # Per head: the block's own rows, the chunk's other operand and the state; their
+        # swizzle-only views; after the last head, the consumers' fp32 sums.
+        plgpu.RefUnion(
+            (
+                plgpu.SMEM(ring_own, dtype, transforms=tiles),
+                plgpu.SMEM(ring_other, dtype, transforms=tiles),
+                plgpu.SMEM((num_stages, HEAD_DIM, state_dim), dtype, transforms=tiles),
+            ),
+            plgpu.SMEM(ring_own, dtype, transforms=flat),
+            (
+                plgpu.SMEM(ring_own, dtype),  # the bytes of the own tiles: not aliased below
+                plgpu.SMEM(ring_other, dtype, transforms=flat),
+            ),
+            plgpu.SMEM((CONSUMERS, state_tiles, ROWS, _COLUMNS), f32),
+        ),
+        plgpu.SMEM((num_stages, chunk_size), f32),
+        plgpu.SMEM((num_stages, chunk_size), f32),
+        plgpu.Barrier(num_barriers=state_tiles),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+        collective_axes="wg",
+    )
+
+
+def chunk_dbc(
+    s: triton_config.ScanShapes,
+    metadata,
+    x: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    res: triton_config.Residuals,
+    ds_out: jax.Array,
+    dyg: jax.Array,
+    *,
+    config: BlockSizes,
+) -> tuple[jax.Array, jax.Array]:
+    """Stage 3: ``(dB, dC)`` partials ``[splits, T, G, N]`` fp32, one per block of heads
+    (rows past the chunks unwritten: the caller sums the splits and selects), from two
+    launches of one kernel: dC's rows sum ``exp(cum_r) dy_r s_in`` and ``∂W_rj B_j`` over
+    the blocks ``j <= r``, dB's ``exp(cum_last − cum_r) dt'_r x_r ds_out`` and
+    ``∂W_irᵀ C_i`` over ``i >= r``, each over the block's heads, ``∂W`` recomputed per
+    head from dy and x (64 × 64 × P products) and its product with B or C accumulated in
+    fp32 registers."""
+    heads_per_group = s.heads // s.groups
+    heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
+    splits = heads_per_group // heads_per_block
+    state_tiles = s.state_dim // _COLUMNS
+    part = jax.ShapeDtypeStruct((splits, state_tiles, x.shape[0], s.groups, _COLUMNS), jnp.float32)
+
+    def launch(for_dc: bool, own, other, kept, state):
+        kernel = plgpu.kernel(
+            functools.partial(
+                _chunk_dbc_kernel,
+                for_dc=for_dc,
+                heads_per_group=heads_per_group,
+                heads_per_block=heads_per_block,
+                num_stages=config.num_stages,
+            ),
+            out_type=part,
+            # The last axis varies fastest: the head blocks of a chunk run side by side
+            # and share its rows in L2.
+            grid=(s.max_chunks, s.chunk_size // BLOCK_ROWS, s.groups * splits),
+            grid_names=("chunk", "half", "heads"),
+            num_threads=CONSUMERS + 1,
+            thread_name="wg",
+            kernel_name=(
+                f"ssd_mosaic_bwd_chunk_{'dc' if for_dc else 'db'}_cs{s.chunk_size}"
+                f"_n{s.state_dim}_hb{heads_per_block}_s{config.num_stages}"
+            ),
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+            ),
+        )
+        out = kernel(metadata.cu_chunk_seqlens, own, other, kept, state, res.dt_chunks, res.cum)
+        # [splits, N / 64, T, G, 64] -> [splits, T, G, N]
+        return jnp.moveaxis(out, 1, 3).reshape(splits, x.shape[0], s.groups, s.state_dim)
+
+    dC = launch(True, dyg, x, B, res.carried)
+    dB = launch(False, x, dyg, C, ds_out)
+    return dB, dC
+
+
+@functools.cache
+def chunk_dbc_with(config: BlockSizes):
+    """:func:`chunk_dbc` with this tiling, one object per value (the backward's
+    ``chunk_dbc_fn``)."""
+    return functools.partial(chunk_dbc, config=config)

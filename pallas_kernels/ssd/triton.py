@@ -676,12 +676,14 @@ def _differentiable(
     chunk_scan_fn,
     residual_stages,
     chunk_dx_fn,
+    chunk_dbc_fn,
 ):
-    """The scan with its Pallas backward kernels (``ssd/triton_vjp.py``; its stage 2
-    ``chunk_dx_fn`` where given), for one set of static options. Outside differentiation
-    it is the plain forward (with the stage kernels given, see ``_forward``); under it,
-    the forward also returns the backward's residuals (``_forward(residuals=True)``: the
-    Triton stages, or ``residual_stages``), with the same y and states."""
+    """The scan with its Pallas backward kernels (``ssd/triton_vjp.py``; its stages 2
+    and 3 ``chunk_dx_fn`` and ``chunk_dbc_fn`` where given), for one set of static
+    options. Outside differentiation it is the plain forward (with the stage kernels
+    given, see ``_forward``); under it, the forward also returns the backward's residuals
+    (``_forward(residuals=True)``: the Triton stages, or ``residual_stages``), with the
+    same y and states."""
     options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
@@ -752,6 +754,7 @@ def _differentiable(
             config=default_backward_block_sizes(config, x.dtype),
             interpret=interpret,
             chunk_dx_fn=chunk_dx_fn,
+            chunk_dbc_fn=chunk_dbc_fn,
         )
         # The chunk layout (integers) is not differentiated.
         return (*grads, None)
@@ -783,13 +786,15 @@ def ssd_scan(
     chunk_scan_fn=None,
     residual_stages=None,
     chunk_dx_fn=None,
+    chunk_dbc_fn=None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
     backward kernels of ``ssd/triton_vjp.py``. ``state_scan_fn`` and
     ``chunk_scan_fn``: the forward's stages outside differentiation, ``residual_stages``
-    under it (see ``_forward``); None: the Triton ones. ``chunk_dx_fn``: the backward's
-    stage 2 (``triton_vjp.ssd_scan_backward``); None: the Triton one."""
+    under it (see ``_forward``); None: the Triton ones. ``chunk_dx_fn``,
+    ``chunk_dbc_fn``: the backward's stages 2 and 3 (``triton_vjp.ssd_scan_backward``);
+    None: the Triton ones."""
     del chunk_size  # the api checked it is metadata.chunk_size
     scan = _differentiable(
         bool(dt_softplus),
@@ -802,5 +807,6 @@ def ssd_scan(
         chunk_scan_fn,
         residual_stages,
         chunk_dx_fn,
+        chunk_dbc_fn,
     )
     return scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)

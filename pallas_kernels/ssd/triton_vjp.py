@@ -676,6 +676,7 @@ def ssd_scan_backward(
     config: BackwardBlockSizes,
     interpret: bool = False,
     chunk_dx_fn=None,
+    chunk_dbc_fn=None,
 ) -> tuple[jax.Array | None, ...]:
     """Cotangents ``(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, d initial_states)`` of
     :func:`pallas_kernels.ssd.triton.ssd_scan` (None for the inputs that are None) from
@@ -685,7 +686,9 @@ def ssd_scan_backward(
     ``chunk_dx_fn(s, metadata, x, B, C, residuals, ds_out, D[H, P] or None, dyg) -> (dx,
     ddt, q)`` replaces stage 2's sums over the chunk (the Mosaic GPU backend's,
     ``mosaic_vjp.chunk_dx``; its per-row outputs may hold anything past a chunk's end);
-    the rows' own terms (dz, ``dy · y_ssm``, the D partial) then come from stage 1."""
+    the rows' own terms (dz, ``dy · y_ssm``, the D partial) then come from stage 1.
+    ``chunk_dbc_fn(s, metadata, x, B, C, residuals, ds_out, dyg) -> (dB, dC)`` partials
+    ``[splits, T, G, N]`` replaces stage 3 (``mosaic_vjp.chunk_dbc``)."""
     f32 = jnp.float32
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
@@ -722,9 +725,12 @@ def ssd_scan_backward(
         ddt_k = jnp.where(valid[None], ddt_k, 0.0)
         q = jnp.where(valid[None], q, 0.0)
         dcum = jnp.where(valid[None], dy_y - residuals.dt_chunks * ddt_k, 0.0)
-    dB_part, dC_part = chunk_dbc(
-        s, cu, x, B, C, residuals, ds_out, dyg, blocks=config, interpret=interpret
-    )
+    if chunk_dbc_fn is None:
+        dB_part, dC_part = chunk_dbc(
+            s, cu, x, B, C, residuals, ds_out, dyg, blocks=config, interpret=interpret
+        )
+    else:
+        dB_part, dC_part = chunk_dbc_fn(s, metadata, x, B, C, residuals, ds_out, dyg)
 
     # The decay: a_k = dt'_k A enters cum_i for every i >= k of its chunk, and the chunk
     # total cum_last (whose cotangent is dlast + Σ q) for every k of it.
