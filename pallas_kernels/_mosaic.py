@@ -56,18 +56,20 @@ def produce_ring(load: Callable, num_items, free, *, num_stages: int, done=None)
         load(i, slot)
 
 
-def store_rows(tile, out_ref, *, row0, first, live, head, wait: bool = True) -> None:
+def store_rows(tile, out_ref, *, row0, first, live, head, wait: bool = True, columns=None) -> None:
     """TMA-stores rows ``[first, first + live)`` of a staged ``tile[rows, D]`` (committed,
-    not tiled) to ``out_ref[row0 + first:, head]``. TMA boxes are static: the live rows go
-    out as a sum of powers of two. ``wait``: wait for the reads of ``tile``; else the
-    copies form one bulk group, for the caller to wait on before it rewrites the tile."""
+    not tiled) to ``out_ref[row0 + first:, head]`` (its ``columns``, a slice of D' >= D
+    columns, if given). TMA boxes are static: the live rows go out as a sum of powers of
+    two. ``wait``: wait for the reads of ``tile``; else the copies form one bulk group,
+    for the caller to wait on before it rewrites the tile."""
     start = first
     size = tile.shape[0]
     while size >= 1:
         take = (live & size) != 0
+        rows = pl.ds(row0 + start, size)
         plgpu.copy_smem_to_gmem(
             tile.at[pl.ds(start, size)],
-            out_ref.at[pl.ds(row0 + start, size), head],
+            out_ref.at[rows, head] if columns is None else out_ref.at[rows, head, columns],
             predicate=take,
             commit_group=wait,
         )

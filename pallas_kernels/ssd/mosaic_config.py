@@ -30,11 +30,16 @@ class BlockSizes:
     # default_heads_per_block; else it must divide the heads per group.
     heads_per_block: int | None = None
     num_stages: int = 2  # slots of the per-head TMA ring
+    # Heads of one group a block of the backward's chunk_dbc sums (its dB and dC come in
+    # H / G / dbc_heads_per_block partials). None: default_dbc_heads_per_block.
+    dbc_heads_per_block: int | None = None
 
     def __post_init__(self):
         check_int_fields(self)
-        if self.heads_per_block is not None and self.heads_per_block < 1:
-            raise ValueError(f"heads_per_block={self.heads_per_block} must be >= 1")
+        for name in ("heads_per_block", "dbc_heads_per_block"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
@@ -43,6 +48,11 @@ def default_heads_per_block(heads_per_group: int) -> int:
     """The most heads, at most 16, that divide the heads per group (16 against 8: 0.73 and
     0.78 ms for the bamba-uniform chunk scan on an H200, 0.43 and 0.47 for nemotronh-ragged)."""
     return max(d for d in range(1, _MAX_HEADS_PER_BLOCK + 1) if heads_per_group % d == 0)
+
+
+def default_dbc_heads_per_block(heads_per_group: int) -> int:
+    """The most heads, at most 16, that divide the heads per group."""
+    return default_heads_per_block(heads_per_group)
 
 
 def smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> int:
@@ -117,11 +127,12 @@ def supports(x, dt, A, B, C, *, chunk_size: int, z=None, **_) -> str | None:
 
 def check_block_sizes(config: BlockSizes, *, heads_per_group: int, **sizes) -> None:
     """``heads_per_block`` must divide the heads per group; the ring must fit."""
-    if config.heads_per_block is not None and heads_per_group % config.heads_per_block:
-        raise ValueError(
-            f"config.heads_per_block={config.heads_per_block} must divide the "
-            f"heads per group H / G = {heads_per_group}"
-        )
+    for name in ("heads_per_block", "dbc_heads_per_block"):
+        value = getattr(config, name)
+        if value is not None and heads_per_group % value:
+            raise ValueError(
+                f"config.{name}={value} must divide the heads per group H / G = {heads_per_group}"
+            )
     need = smem_bytes(num_stages=config.num_stages, **sizes)
     if need > SMEM_BUDGET:
         raise ValueError(

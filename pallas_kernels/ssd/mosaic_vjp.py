@@ -64,6 +64,7 @@ from pallas_kernels.ssd.mosaic_config import (
     ROWS,
     BlockSizes,
     cb_blocks,
+    default_dbc_heads_per_block,
     default_heads_per_block,
 )
 
@@ -482,7 +483,7 @@ def _chunk_dbc_kernel(
     state_ref,  # [max_chunks, H, P, N] in x's dtype: s_in (dC) or ds_out (dB)
     dt_ref,  # [H, max_chunks, cs] fp32: dt'
     cum_ref,  # [H, max_chunks, cs] fp32
-    out_ref,  # [splits, N / 64, T, G, 64] fp32: this head split's dC or dB
+    out_ref,  # [splits, T, G, N] fp32: this head split's dC or dB
     *,
     for_dc: bool,
     heads_per_group: int,
@@ -694,12 +695,13 @@ def _chunk_dbc_kernel(
                 for t in range(state_tiles):
                     store_rows(
                         staged.at[k, t],
-                        out_ref.at[split, t],
+                        out_ref.at[split],
                         row0=row0,
                         first=0,
                         live=live,
                         head=group,
                         wait=False,
+                        columns=pl.ds(t * _COLUMNS, _COLUMNS),
                     )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -766,10 +768,9 @@ def chunk_dbc(
     head from dy and x (64 × 64 × P products) and its product with B or C accumulated in
     fp32 registers."""
     heads_per_group = s.heads // s.groups
-    heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
+    heads_per_block = config.dbc_heads_per_block or default_dbc_heads_per_block(heads_per_group)
     splits = heads_per_group // heads_per_block
-    state_tiles = s.state_dim // _COLUMNS
-    part = jax.ShapeDtypeStruct((splits, state_tiles, x.shape[0], s.groups, _COLUMNS), jnp.float32)
+    part = jax.ShapeDtypeStruct((splits, x.shape[0], s.groups, s.state_dim), jnp.float32)
 
     def launch(for_dc: bool, own, other, kept, state):
         kernel = plgpu.kernel(
@@ -795,9 +796,7 @@ def chunk_dbc(
                 approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
             ),
         )
-        out = kernel(metadata.cu_chunk_seqlens, own, other, kept, state, res.dt_chunks, res.cum)
-        # [splits, N / 64, T, G, 64] -> [splits, T, G, N]
-        return jnp.moveaxis(out, 1, 3).reshape(splits, x.shape[0], s.groups, s.state_dim)
+        return kernel(metadata.cu_chunk_seqlens, own, other, kept, state, res.dt_chunks, res.cum)
 
     dC = launch(True, dyg, x, B, res.carried)
     dB = launch(False, x, dyg, C, ds_out)

@@ -709,6 +709,25 @@ def test_mosaic_block_sizes_are_checked():
         )
     with pytest.raises(ValueError, match="heads_per_block"):
         ssd_mosaic_config.BlockSizes(heads_per_block=0)
+    with pytest.raises(ValueError, match="dbc_heads_per_block=0"):
+        ssd_mosaic_config.BlockSizes(dbc_heads_per_block=0)
+    with pytest.raises(ValueError, match="dbc_heads_per_block=16"):
+        ssd_mosaic_config.check_block_sizes(
+            ssd_mosaic_config.BlockSizes(dbc_heads_per_block=16), heads_per_group=8, **sizes
+        )
+
+
+def test_mosaic_backward_kernels_take_the_sizes_that_fit():
+    """The backward's Mosaic chunk_dx and chunk_dbc run where their shared memory (and, for
+    chunk_dbc, a consumer's registers) hold them; the Triton kernels elsewhere."""
+    dx, dbc = ssd_mosaic_config.chunk_dx_supports, ssd_mosaic_config.chunk_dbc_supports
+    for cs, n in ((128, 64), (128, 128), (256, 64), (256, 128)):
+        sizes = dict(chunk_size=cs, state_dim=n, num_stages=2, itemsize=2)
+        assert dx(**sizes) and dbc(**sizes), sizes
+    assert dx(chunk_size=128, state_dim=256, num_stages=2, itemsize=2)
+    assert not dx(chunk_size=256, state_dim=256, num_stages=2, itemsize=2)
+    assert not dbc(chunk_size=128, state_dim=256, num_stages=2, itemsize=2)  # registers
+    assert not dbc(chunk_size=256, state_dim=128, num_stages=3, itemsize=2)  # 260 KiB
 
 
 def test_internal_chunk_decay_is_the_triton_state_scans():
