@@ -385,65 +385,25 @@ def ssd_stage_times(
         x,
         D_hp,
     )
-    if mosaic_dx:
-        timed(
-            "bwd_chunk_dx",
-            lambda x, B, C, res, ds_out, D, dy: ssd_mosaic_vjp.chunk_dx(
-                s, md, x, B, C, res, ds_out, D, dy, config=config
-            ),
-            x,
-            B,
-            C,
-            residuals,
-            ds_out,
-            D_hp,
-            dy,
-        )
-    else:
-        timed(
-            "bwd_chunk_dx",
-            lambda x, B, res, ds_out, D, dy: ssd_triton_vjp.chunk_dx(
-                s, cu, x, B, res, ds_out, D, None, dy, dy, **stage
-            ),
-            x,
-            B,
-            residuals,
-            ds_out,
-            D_hp,
-            dy,
-        )
     mosaic_dbc = backend == "mosaic" and ssd_mosaic_config.chunk_dbc_supports(
         chunk_size=s.chunk_size,
         state_dim=s.state_dim,
         num_stages=config.num_stages,
         itemsize=x.dtype.itemsize,
     )
-    if mosaic_dbc:
-        timed(
-            "bwd_chunk_dbc",
-            lambda x, B, C, res, ds_out, dy: ssd_mosaic_vjp.chunk_dbc(
-                s, md, x, B, C, res, ds_out, dy, config=config
-            ),
-            x,
-            B,
-            C,
-            residuals,
-            ds_out,
-            dy,
-        )
-    else:
-        timed(
-            "bwd_chunk_dbc",
-            lambda x, B, C, res, ds_out, dy: ssd_triton_vjp.chunk_dbc(
-                s, cu, x, B, C, res, ds_out, dy, **stage
-            ),
-            x,
-            B,
-            C,
-            residuals,
-            ds_out,
-            dy,
-        )
+
+    def chunk_dx(x, B, C, res, ds_out, D, dy):
+        if mosaic_dx:
+            return ssd_mosaic_vjp.chunk_dx(s, md, x, B, C, res, ds_out, D, dy, config=config)
+        return ssd_triton_vjp.chunk_dx(s, cu, x, B, res, ds_out, D, None, dy, dy, **stage)
+
+    def chunk_dbc(x, B, C, res, ds_out, dy):
+        if mosaic_dbc:
+            return ssd_mosaic_vjp.chunk_dbc(s, md, x, B, C, res, ds_out, dy, config=config)
+        return ssd_triton_vjp.chunk_dbc(s, cu, x, B, C, res, ds_out, dy, **stage)
+
+    timed("bwd_chunk_dx", chunk_dx, x, B, C, residuals, ds_out, D_hp, dy)
+    timed("bwd_chunk_dbc", chunk_dbc, x, B, C, residuals, ds_out, dy)
     return times
 
 

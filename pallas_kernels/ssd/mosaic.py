@@ -50,7 +50,8 @@ Covers bf16/fp16 x, B, C (one dtype), head dim 64, state dims 64/128/256 and chu
 the rest run on Triton.
 
 **Under differentiation** (:func:`chunk_scan_with_ssm`) the same two stages write the
-residuals of the Triton backward kernels (``ssd/triton_vjp.py``): the state scan stores
+residuals of the backward (``ssd/triton_vjp.py``'s reverse state pass and glue, with
+``ssd/mosaic_vjp.py``'s chunk kernels where they fit): the state scan stores
 every chunk's carried state (in C's dtype, what the chunk scan consumed), and a second
 chunk-scan pass without D and z writes ``y_ssm`` in fp32 through one unswizzled fp32 tile
 per consumer (``ssm_out``: the bytes of the two 16-bit output tiles). Only C·Bᵀ (2 GFLOP)

@@ -1,5 +1,6 @@
-"""The SSD scan's backward on the tensor cores: ``chunk_dx`` as a Pallas Mosaic GPU kernel
-(Hopper: wgmma, TMA), beside the Triton stages of ``ssd/triton_vjp.py``.
+"""The SSD scan's backward on the tensor cores: ``chunk_dx`` and ``chunk_dbc`` (stages 2
+and 3 of ``ssd/triton_vjp.py``) as Pallas Mosaic GPU kernels (Hopper: wgmma, TMA), beside
+that module's reverse state pass, which stays Triton (its cost is the walk's latency).
 
 ``chunk_dx`` is the forward's chunk scan (``mosaic.py``) transposed. Per chunk and head,
 for the chunk's rows ``j``,
@@ -33,6 +34,15 @@ selected to 0 past the chunk and the consumers zero the ``dy`` rows past it in s
 memory (``0 × NaN`` is NaN); the rows of ``dx`` past the chunk are never stored, and
 ``ddt``/``q`` past a chunk's end (and of padding chunks) are left for the caller to
 select away. A few extra blocks zero ``dx``'s bucket rows no chunk owns.
+
+``chunk_dbc`` is one kernel launched twice, for dC and for dB (:func:`chunk_dbc`): per
+(chunk, 128 of its rows, block of heads) the chunk's B (dC) or C (dB) stays in shared
+memory, and a ring carries per head the block's own rows (dy for dC, x for dB), the
+chunk's other operand and the state (s_in or ds_out). Consumer k's row block sums, over
+the block's heads, the state term and for each causal block pair ``∂W`` (one 64 × 64 × P
+product, scaled in registers: the decay factored through the row block's edge row off
+the diagonal) times B or C, in fp32 registers; the heads are not summed before that
+second product, whose per-pair ∂W sums would not fit beside the two ``[64, N]`` sums.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ Three launches:
    ``∂W_ij = Σ_h (dy_i · x_j) exp(cum_i − cum_j) dt'_j``: the heads are summed into each
    ``[block_m, block_k]`` tile of ``∂W`` before its one product with the group's B or C.
 
+The Mosaic GPU backend replaces 2 and 3 with its own kernels (``ssd/mosaic_vjp.py``,
+``chunk_dx_fn`` and ``chunk_dbc_fn`` of :func:`ssd_scan_backward`); its ``chunk_dx``
+computes only the sums over the chunk, and the state pass then takes the rows' own terms
+on its walk (``row_terms``: dz, ``dy · y_ssm`` and D's partial).
+
 ``jnp`` glue then sums small per-chunk arrays: ``∂a_k = Σ_{i ≥ k} ∂cum_i`` plus the chunk
 total's terms (a reverse cumsum over ``[H, chunks, bcs]``), ``ddt' += A ∂a``,
 ``dA = Σ dt' ∂a``, the dt chain rule (bias, softplus, clamp) and the head splits of
