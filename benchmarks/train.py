@@ -318,12 +318,22 @@ def ssd_stage_times(
         B,
         dt_bias,
     )
-    cb = timed(
-        "chunk_cb",
-        lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False),
-        C,
-        B,
+    # The Mosaic backend's chunk_dx (where it fits) forms its own B·Cᵀ, so the forward
+    # computes no C·Bᵀ, and leaves the rows' own terms to the state pass.
+    mosaic_dx = backend == "mosaic" and ssd_mosaic_config.chunk_dx_supports(
+        chunk_size=s.chunk_size,
+        state_dim=s.state_dim,
+        num_stages=config.num_stages,
+        itemsize=x.dtype.itemsize,
     )
+    cb = None
+    if not mosaic_dx:
+        cb = timed(
+            "chunk_cb",
+            lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False),
+            C,
+            B,
+        )
     if backend == "mosaic":
         timed("chunk_scan", chunk_scan, x, C, B, dt_chunks, cum, carried, D_hp)
         y_ssm = timed(
@@ -354,14 +364,6 @@ def ssd_stage_times(
     residuals = ssd_triton_config.Residuals(dt_chunks, cum, carried, cb, y_ssm)
     dstates = jnp.zeros((s.num_seqs, s.heads, s.head_dim, s.state_dim), f32)
     stage = dict(blocks=backward_blocks, interpret=False)
-    # The Mosaic backend's chunk_dx (where it fits) leaves the rows' own terms to the
-    # state pass.
-    mosaic_dx = backend == "mosaic" and ssd_mosaic_config.chunk_dx_supports(
-        chunk_size=s.chunk_size,
-        state_dim=s.state_dim,
-        num_stages=config.num_stages,
-        itemsize=x.dtype.itemsize,
-    )
     _, ds_out, *_ = timed(
         "bwd_state_pass",
         lambda dy, C, res, dstates, x, D: ssd_triton_vjp.state_pass(

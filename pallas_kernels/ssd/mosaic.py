@@ -55,7 +55,8 @@ residuals of the backward (``ssd/triton_vjp.py``'s reverse state pass and glue, 
 every chunk's carried state (in C's dtype, what the chunk scan consumed), and a second
 chunk-scan pass without D and z writes ``y_ssm`` in fp32 through one unswizzled fp32 tile
 per consumer (``ssm_out``: the bytes of the two 16-bit output tiles). Only C·Bᵀ (2 GFLOP)
-comes from the Triton ``chunk_cb``.
+comes from the Triton ``chunk_cb``, and only where the Triton ``chunk_dx`` reads it (the
+Mosaic one forms its own).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class BlockSizes:
     heads_per_block: int | None = None
     num_stages: int = 2  # slots of the per-head TMA ring
     # Heads of one group a block of the backward's chunk_dbc sums (its dB and dC come in
-    # H / G / dbc_heads_per_block partials). None: default_dbc_heads_per_block.
+    # H / G / dbc_heads_per_block partials). None: default_heads_per_block.
     dbc_heads_per_block: int | None = None
 
     def __post_init__(self):
@@ -48,11 +48,6 @@ def default_heads_per_block(heads_per_group: int) -> int:
     """The most heads, at most 16, that divide the heads per group (16 against 8: 0.73 and
     0.78 ms for the bamba-uniform chunk scan on an H200, 0.43 and 0.47 for nemotronh-ragged)."""
     return max(d for d in range(1, _MAX_HEADS_PER_BLOCK + 1) if heads_per_group % d == 0)
-
-
-def default_dbc_heads_per_block(heads_per_group: int) -> int:
-    """The most heads, at most 16, that divide the heads per group."""
-    return default_heads_per_block(heads_per_group)
 
 
 def smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> int:

@@ -74,7 +74,6 @@ from pallas_kernels.ssd.mosaic_config import (
     ROWS,
     BlockSizes,
     cb_blocks,
-    default_dbc_heads_per_block,
     default_heads_per_block,
 )
 
@@ -778,7 +777,7 @@ def chunk_dbc(
     head from dy and x (64 × 64 × P products) and its product with B or C accumulated in
     fp32 registers."""
     heads_per_group = s.heads // s.groups
-    heads_per_block = config.dbc_heads_per_block or default_dbc_heads_per_block(heads_per_group)
+    heads_per_block = config.dbc_heads_per_block or default_heads_per_block(heads_per_group)
     splits = heads_per_group // heads_per_block
     part = jax.ShapeDtypeStruct((splits, x.shape[0], s.groups, s.state_dim), jnp.float32)
 

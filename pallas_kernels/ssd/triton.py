@@ -595,6 +595,7 @@ def _forward(
     state_scan_fn=None,
     chunk_scan_fn=None,
     residual_stages=None,
+    cb_residual: bool = True,
 ):
     """The three launches: ``(y, states, saved)``. With ``residuals`` (under
     differentiation), ``saved`` is ``(dt_chunks, cum, carried, cb, y_ssm)`` for the
@@ -604,7 +605,9 @@ def _forward(
     3a + 3b (``chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)``): the
     Mosaic GPU backend's (``mosaic.py``). ``residual_stages``: that backend's pair under
     differentiation, ``(state_scan_fn, fn(...) -> (y, y_ssm))`` with the carried states
-    in C's dtype (what its chunk scan consumed); only C·Bᵀ stays Triton."""
+    in C's dtype (what its chunk scan consumed); only C·Bᵀ stays Triton, and is not
+    computed without ``cb_residual`` (a backward whose stage 2 forms its own: ``saved``'s
+    cb is then None)."""
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
     blocks = config
@@ -637,7 +640,7 @@ def _forward(
     cu = metadata.cu_chunk_seqlens
     if chunk_scan_with_ssm is not None:
         y, y_ssm = chunk_scan_with_ssm(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
-        cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
+        cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret) if cb_residual else None
         return y, states, (dt_chunks, cum, carried, cb, y_ssm)
     if chunk_scan_fn is not None and not residuals:
         y = chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
@@ -726,6 +729,7 @@ def _differentiable(
             metadata,
             residuals=True,
             residual_stages=residual_stages,
+            cb_residual=chunk_dx_fn is None,  # only the Triton chunk_dx reads C·Bᵀ
             **options,
         )
         inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)

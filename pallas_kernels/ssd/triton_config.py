@@ -146,7 +146,8 @@ class Residuals(NamedTuple):
     # [max_chunks, H, bp, bn]: the state entering each chunk, fp32 (Triton forward) or in
     # C's dtype (the Mosaic forward: what its chunk scan consumed).
     carried: jax.Array
-    cb: jax.Array  # [max_chunks, G, bcs, bcs]: C_c B_cᵀ
+    # [max_chunks, G, bcs, bcs]: C_c B_cᵀ (None where the backward's chunk_dx forms its own)
+    cb: jax.Array | None
     y_ssm: jax.Array  # [T, H, P] fp32: y before the D skip and the z gate
 
 

@@ -596,9 +596,9 @@ def test_internal_mosaic_gradients_lower_for_cuda():
     """Under differentiation the Mosaic backend's forward stays Mosaic and writes the
     backward's residuals: the state scan storing every chunk's carried state, the chunk
     scan, and its fp32 ``y_ssm`` pass (the only pass without D and z); no Triton forward
-    stage but C·Bᵀ. G 8 with one head per group takes the Triton state scan. The backward's
-    chunk_dx and chunk_dbc (a dC and a dB launch) are Mosaic, with the rows' own terms on
-    the Triton state pass."""
+    stage, not even C·Bᵀ, which the backward's Mosaic chunk_dx forms itself. G 8 with one
+    head per group takes the Triton state scan. The backward's chunk_dx and chunk_dbc (a
+    dC and a dB launch) are Mosaic, with the rows' own terms on the Triton state pass."""
     for T, num_seqs, heads, groups, cs, gated, with_D, mosaic_states in (
         (1024, 3, 8, 1, 256, True, True, True),
         (512, 2, 8, 8, 128, False, False, False),
@@ -655,7 +655,6 @@ def test_internal_mosaic_gradients_lower_for_cuda():
         assert not any("skip1" in k for k in kernels), kernels
         # The backward: the Mosaic chunk_dx, the rows' own terms on the state pass's walk.
         for name in (
-            "ssd_chunk_cb",
             "ssd_mosaic_bwd_chunk_dx",
             "ssd_mosaic_bwd_chunk_dc",
             "ssd_mosaic_bwd_chunk_db",
@@ -663,6 +662,8 @@ def test_internal_mosaic_gradients_lower_for_cuda():
             assert any(k.startswith(name) for k in kernels), (name, kernels)
         assert any(re.fullmatch(r"ssd_bwd_state_pass_\w+_rows", k) for k in kernels), kernels
         assert not any(k.startswith(("ssd_bwd_chunk_dx", "ssd_bwd_chunk_dbc")) for k in kernels)
+        # Its chunk_dx forms B·Cᵀ itself: the forward computes no C·Bᵀ residual.
+        assert not any(k.startswith("ssd_chunk_cb") for k in kernels), kernels
 
 
 @pytest.mark.gpu
