@@ -297,13 +297,8 @@ def ssd_stage_times(
             heads_per_group=s.heads // s.groups, state_dim=s.state_dim, intermediate=False
         )
         config = ssd_mosaic_config.BlockSizes()
-        state_fn, _ = ssd_mosaic.residual_stages(config, mosaic_states)
+        state_fn, chunk_scan_fn = ssd_mosaic.residual_stages(config, mosaic_states)
         carried_dtype = C.dtype
-
-        def chunk_scan(x, C, B, dt_chunks, cum, carried, D, ssm_out=False):
-            return ssd_mosaic.chunk_scan(
-                s, md, x, C, B, dt_chunks, cum, carried, D, None, config=config, ssm_out=ssm_out
-            )
     else:
         state_fn, carried_dtype = ssd_triton.state_scan, f32
 
@@ -318,36 +313,34 @@ def ssd_stage_times(
         B,
         dt_bias,
     )
-    # The Mosaic backend's chunk_dx (where it fits) forms its own B·Cᵀ, so the forward
-    # computes no C·Bᵀ, and leaves the rows' own terms to the state pass.
-    mosaic_dx = backend == "mosaic" and ssd_mosaic_config.chunk_dx_supports(
+    # The Mosaic backward (where it fits) forms C·Bᵀ and y_ssm itself: the forward saves
+    # neither, and the rows' own terms are a second chunk scan in the backward.
+    mosaic_backward = backend == "mosaic" and ssd_mosaic_config.backward_supports(
         chunk_size=s.chunk_size,
         state_dim=s.state_dim,
         num_stages=config.num_stages,
         itemsize=x.dtype.itemsize,
     )
-    cb = None
-    if not mosaic_dx:
-        cb = timed(
-            "chunk_cb",
-            lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False),
-            C,
-            B,
-        )
-    if backend == "mosaic":
-        timed("chunk_scan", chunk_scan, x, C, B, dt_chunks, cum, carried, D_hp)
-        y_ssm = timed(
-            "chunk_scan_ssm",
-            functools.partial(chunk_scan, ssm_out=True),
+    if mosaic_backward:
+        timed(
+            "chunk_scan",
+            lambda *a: chunk_scan_fn(s, md, *a, None),
             x,
             C,
             B,
             dt_chunks,
             cum,
             carried,
-            None,
+            D_hp,
         )
+        residuals = ssd_triton_config.Residuals(dt_chunks, cum, carried, None, None)
     else:  # the Triton chunk scan writes y and y_ssm in one launch (with C·Bᵀ, timed apart)
+        cb = timed(
+            "chunk_cb",
+            lambda C, B: ssd_triton.chunk_cb(s, cu, C, B, blocks=blocks, interpret=False),
+            C,
+            B,
+        )
         y_ssm = timed(
             "chunk_scan",
             lambda *a: ssd_triton.chunk_scan(
@@ -361,7 +354,7 @@ def ssd_stage_times(
             carried,
             D_hp,
         )
-    residuals = ssd_triton_config.Residuals(dt_chunks, cum, carried, cb, y_ssm)
+        residuals = ssd_triton_config.Residuals(dt_chunks, cum, carried, cb, y_ssm)
     dstates = jnp.zeros((s.num_seqs, s.heads, s.head_dim, s.state_dim), f32)
     stage = dict(blocks=backward_blocks, interpret=False)
     _, ds_out, *_ = timed(
@@ -375,8 +368,7 @@ def ssd_stage_times(
             res,
             dstates,
             intermediate=False,
-            row_terms=mosaic_dx,
-            x=x,
+            x=x if mosaic_backward else None,
             D=D,
             **stage,
         ),
@@ -395,7 +387,7 @@ def ssd_stage_times(
     )
 
     def chunk_dx(x, B, C, res, ds_out, D, dy):
-        if mosaic_dx:
+        if mosaic_backward:
             return ssd_mosaic_vjp.chunk_dx(s, md, x, B, C, res, ds_out, D, dy, config=config)
         return ssd_triton_vjp.chunk_dx(s, cu, x, B, res, ds_out, D, None, dy, dy, **stage)
 
@@ -405,6 +397,19 @@ def ssd_stage_times(
         return ssd_triton_vjp.chunk_dbc(s, cu, x, B, C, res, ds_out, dy, **stage)
 
     timed("bwd_chunk_dx", chunk_dx, x, B, C, residuals, ds_out, D_hp, dy)
+    if mosaic_backward:
+        timed(
+            "bwd_rows",
+            lambda x, B, C, res, D, dy: ssd_mosaic.row_terms(
+                s, md, x, B, C, res, D, None, dy, config=config
+            ),
+            x,
+            B,
+            C,
+            residuals,
+            D_hp,
+            dy,
+        )
     timed("bwd_chunk_dbc", chunk_dbc, x, B, C, residuals, ds_out, dy)
     return times
 

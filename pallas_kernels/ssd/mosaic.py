@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import decay_factor, search_sorted, silu
+from pallas_kernels._common import decay_factor, search_sorted, silu, silu_grad
 from pallas_kernels._mosaic import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
@@ -87,10 +87,10 @@ from pallas_kernels.ssd.mosaic_config import (
     HEAD_DIM,
     ROWS,
     BlockSizes,
+    backward_supports,
     cb_blocks,
     check_block_sizes,
     chunk_dbc_supports,
-    chunk_dx_supports,
     default_heads_per_block,
 )
 
@@ -104,7 +104,7 @@ def _kernel(
     has_D: bool,
     has_z: bool,
     first_states_zero: bool,
-    ssm_out: bool,
+    row_terms: bool,
     heads_per_group: int,
     heads_per_block: int,
     num_stages: int,
@@ -112,7 +112,13 @@ def _kernel(
     cu_ref, seq_ref, x_ref, C_ref, B_ref, dt_ref, cum_ref, carried_ref, *rest = refs
     D_ref = rest.pop(0) if has_D else None
     z_ref = rest.pop(0) if has_z else None
-    (y_ref,) = rest
+    if row_terms:  # the backward's rows (:func:`row_terms`): dy in, dz and dy · y_ssm out
+        dy_ref = rest.pop(0)
+        dz_ref = rest.pop(0) if has_z else None
+        (dy_y_ref,) = rest
+        y_ref = dz_ref  # the [T, H, P] output, whose bucket rows the tail blocks zero
+    else:
+        (y_ref,) = rest
     chunk_size = dt_ref.shape[2]
     state_tiles = C_ref.shape[2] // _COLUMNS
     max_chunks = cu_ref.shape[0] - 1
@@ -144,10 +150,11 @@ def _kernel(
         zeroed,
         free,
         z_full,
+        vec_smem,
+        dy_full,
     ):
         c_tiles, c_flat = c_views
-        # ssm_out: one unswizzled fp32 tile per consumer (the bytes of two 16-bit ones).
-        out_tiles, out_flat, out_rows = (None, None, out_views) if ssm_out else out_views
+        out_tiles, out_flat, out_rows = out_views
         b_tiles, b_flat, (x_tiles, s_tiles), x_flat = ring_views
         chunk = lax.axis_index("chunk")
         half = lax.axis_index("half")
@@ -238,11 +245,15 @@ def _kernel(
             plgpu.commit_smem()
             plgpu.barrier_arrive(cb_done)
 
-            def store_output(y, row0, out_slot, h):
+            def store_output(y, row0, out_slot, h, before=lambda: None):
+                """y's live rows to ``y_ref``, through output tile ``out_slot``, in one
+                bulk group with the copies ``before`` issues (after the commit)."""
+
                 @pl.when(live == ROWS)
                 def _whole_block():  # one swizzled 64-row store, at any row
                     out_tiles.at[k, out_slot][...] = y
                     plgpu.commit_smem()
+                    before()
                     plgpu.copy_smem_to_gmem(
                         out_flat.at[k, out_slot], y_ref.at[pl.ds(row0, ROWS), h]
                     )
@@ -253,7 +264,39 @@ def _kernel(
                     tile = out_rows.at[k, out_slot]
                     tile[...] = y
                     plgpu.commit_smem()
+                    before()
                     store_rows(tile, y_ref, row0=row0, first=0, live=live, head=h, wait=False)
+
+            def store_row_terms(acc, x_i, row0, slot, h):
+                """The backward's rows from ``acc`` (y_ssm, fp32): ``dy_y = dyg · y_ssm``
+                per row (``dyg = dy · silu(z)``), and ``dz = dy · (y_ssm + D x) ·
+                silu'(z)``; dy sits in output tile 1, z in tile 0, which dz leaves by."""
+                plgpu.barrier_wait(dy_full.at[k])
+                dy = plgpu.load(out_tiles.at[k, 1], layout=wgmma_layout).astype(f32)
+                dyg = dy
+                if has_z:
+                    plgpu.barrier_wait(z_full.at[k])
+                    gate = plgpu.load(out_tiles.at[k, 0], layout=wgmma_layout).astype(f32)
+                    dyg = dy * silu(gate)
+                # Rows past the chunk hold other rows' dy (NaN in tests): selected away.
+                keep = iota(0) < live
+                vec_smem.at[k][...] = jnp.sum(jnp.where(keep, dyg * acc, 0.0), axis=1)
+                rows = pl.ds(b * ROWS, ROWS)
+
+                def vector_out():
+                    plgpu.copy_smem_to_gmem(
+                        vec_smem.at[k], dy_y_ref.at[h, c, rows], commit_group=not has_z
+                    )
+
+                if not has_z:
+                    plgpu.commit_smem()
+                    vector_out()
+                    return
+                if has_D:
+                    d = plgpu.load(d_smem.at[slot], layout=column_vector)
+                    acc = acc + x_i * lax.broadcast_in_dim(d, block_shape, [1])
+                dz = dy * acc * silu_grad(gate)
+                store_output(dz.astype(dtype), row0, 0, h, before=vector_out)
 
             def head(i, carry):
                 slot = lax.rem(i, num_stages)
@@ -295,15 +338,25 @@ def _kernel(
                 @pl.when(live > 0)
                 def _row_block():
                     row0 = start + b * ROWS
-                    if ssm_out:  # one tile: the last head's store must have read it
+                    rows_in = pl.ds(row0, ROWS)
+                    if row_terms:
+                        # z into tile 0, dy into tile 1 (both land while the products
+                        # run), once the last head's dz and dy_y stores have read them.
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        if has_z:
+                            plgpu.copy_gmem_to_smem(
+                                z_ref.at[rows_in, h], out_flat.at[k, 0], z_full.at[k]
+                            )
+                        plgpu.copy_gmem_to_smem(
+                            dy_ref.at[rows_in, h], out_flat.at[k, 1], dy_full.at[k]
+                        )
                     else:
                         out_tile = out_tiles.at[k, out_slot]
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    if has_z:  # into the output tile; lands while the products run
-                        plgpu.copy_gmem_to_smem(
-                            z_ref.at[pl.ds(row0, ROWS), h], out_flat.at[k, out_slot], z_full.at[k]
-                        )
+                        if has_z:  # into the output tile; lands while the products run
+                            plgpu.copy_gmem_to_smem(
+                                z_ref.at[rows_in, h], out_flat.at[k, out_slot], z_full.at[k]
+                            )
                     cum_i = plgpu.load(cum_smem.at[slot, pl.ds(b * ROWS, ROWS)], layout=row_vector)
 
                     def from_state(acc_ref):
@@ -356,20 +409,20 @@ def _kernel(
                     row_decay = decay_factor(cum_i - cum_r)
                     acc = acc * lax.broadcast_in_dim(row_decay, block_shape, [0])
                     acc = column_block(b, acc, diagonal=True)
+                    x_i = None
                     if has_D:
                         x_i = plgpu.load(x_tile.at[pl.ds(b * ROWS, ROWS)], layout=wgmma_layout)
-                        d = plgpu.load(d_smem.at[slot], layout=column_vector)
-                        acc = acc + x_i.astype(f32) * lax.broadcast_in_dim(d, block_shape, [1])
-                    if has_z:
-                        plgpu.barrier_wait(z_full.at[k])
-                        gate = plgpu.load(out_tile, layout=wgmma_layout).astype(f32)
-                        acc = acc * silu(gate)
-                    if ssm_out:  # fp32 through the store ladder: one 64-row box if whole
-                        tile = out_rows.at[k, 0]
-                        tile[...] = acc
-                        plgpu.commit_smem()
-                        store_rows(tile, y_ref, row0=row0, first=0, live=live, head=h, wait=False)
+                        x_i = x_i.astype(f32)
+                    if row_terms:
+                        store_row_terms(acc, x_i, row0, slot, h)
                     else:
+                        if has_D:
+                            d = plgpu.load(d_smem.at[slot], layout=column_vector)
+                            acc = acc + x_i * lax.broadcast_in_dim(d, block_shape, [1])
+                        if has_z:
+                            plgpu.barrier_wait(z_full.at[k])
+                            gate = plgpu.load(out_tile, layout=wgmma_layout).astype(f32)
+                            acc = acc * silu(gate)
                         store_output(acc.astype(dtype), row0, out_slot, h)
 
                 plgpu.barrier_arrive(free.at[slot])
@@ -378,17 +431,19 @@ def _kernel(
             lax.fori_loop(0, heads_per_block, head, None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        @pl.when(~is_chunk & (wg < CONSUMERS))
-        def _tail():  # bucket rows no chunk owns, spread over the tail blocks' consumers
-            zero_rows_past_chunks(
-                out_rows.at[wg, 0],
-                y_ref,
-                total=cu_ref[max_chunks],
-                worker=((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg,
-                workers=_TAIL_BLOCKS * num_halves * CONSUMERS,
-                head0=h0,
-                num_heads=heads_per_block,
-            )
+        if y_ref is not None:  # (row_terms without z: nothing per token to zero)
+
+            @pl.when(~is_chunk & (wg < CONSUMERS))
+            def _tail():  # bucket rows no chunk owns, spread over the tail blocks' consumers
+                zero_rows_past_chunks(
+                    out_rows.at[wg, 0],
+                    y_ref,
+                    total=cu_ref[max_chunks],
+                    worker=((chunk - max_chunks) * num_halves + half) * CONSUMERS + wg,
+                    workers=_TAIL_BLOCKS * num_halves * CONSUMERS,
+                    head0=h0,
+                    num_heads=heads_per_block,
+                )
 
     tiles = swizzled_tiles(dtype)
     flat = (plgpu.SwizzleTransform(SWIZZLE_BYTES),)
@@ -418,10 +473,8 @@ def _kernel(
         plgpu.SMEM((num_stages, HEAD_DIM), f32) if has_D else None,
         # Per consumer, two output tiles: swizzled (wgmma layout stores), their
         # swizzle-only view (a TMA store at any row) and an unswizzled view (the store
-        # ladder of a chunk's last rows); with ssm_out one unswizzled fp32 tile.
-        plgpu.SMEM((CONSUMERS, 1, ROWS, HEAD_DIM), f32)
-        if ssm_out
-        else plgpu.RefUnion(
+        # ladder of a chunk's last rows). With row_terms: z then dz in tile 0, dy in 1.
+        plgpu.RefUnion(
             plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=tiles),
             plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype, transforms=flat),
             plgpu.SMEM((CONSUMERS, 2, ROWS, HEAD_DIM), dtype),
@@ -437,6 +490,8 @@ def _kernel(
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=CONSUMERS) if has_z else None,
+        plgpu.SMEM((CONSUMERS, ROWS), f32) if row_terms else None,  # dy_y on its way out
+        plgpu.Barrier(num_barriers=CONSUMERS) if row_terms else None,
         collective_axes="wg",
     )
 
@@ -844,6 +899,61 @@ def state_scan(
     return dt_chunks, cum, carried, final.astype(state_dtype)
 
 
+def _chunk_scan_kernel(
+    s: triton_config.ScanShapes,
+    x: jax.Array,
+    *,
+    has_D: bool,
+    has_z: bool,
+    config: BlockSizes,
+    first_states_zero: bool,
+    row_terms: bool,
+):
+    """The chunk-scan kernel (:func:`_kernel`) for these static facts, as a callable."""
+    heads_per_group = s.heads // s.groups
+    heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
+    check_block_sizes(
+        config,
+        heads_per_group=heads_per_group,
+        chunk_size=s.chunk_size,
+        state_dim=s.state_dim,
+        itemsize=x.dtype.itemsize,
+    )
+    tokens = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if row_terms:
+        per_row = jax.ShapeDtypeStruct((s.heads, s.max_chunks, s.chunk_size), jnp.float32)
+        out_type = (tokens, per_row) if has_z else (per_row,)
+    else:
+        out_type = tokens
+    return plgpu.kernel(
+        functools.partial(
+            _kernel,
+            has_D=has_D,
+            has_z=has_z,
+            first_states_zero=first_states_zero,
+            row_terms=row_terms,
+            heads_per_group=heads_per_group,
+            heads_per_block=heads_per_block,
+            num_stages=config.num_stages,
+        ),
+        out_type=out_type,
+        # The last axis varies fastest: the head blocks of a chunk run side by side and
+        # share its C and B in L2.
+        grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // BLOCK_ROWS, s.heads // heads_per_block),
+        grid_names=("chunk", "half", "heads"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        kernel_name=(
+            f"ssd_mosaic_{'bwd_rows' if row_terms else 'chunk_scan'}_cs{s.chunk_size}"
+            f"_n{s.state_dim}_hb{heads_per_block}_s{config.num_stages}"
+            f"_zero{int(first_states_zero)}"
+        ),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+    )
+
+
 def chunk_scan(
     s: triton_config.ScanShapes,
     metadata,
@@ -858,55 +968,77 @@ def chunk_scan(
     *,
     config: BlockSizes,
     first_states_zero: bool = False,
-    ssm_out: bool = False,
 ) -> jax.Array:
     """Stage 3 on the tensor cores: ``y[T, H, P]`` in x's dtype from the state scan's
     ``dt_chunks``, ``cum[H, max_chunks, chunk_size]`` and ``carried[max_chunks, H, P, N]``
     (in C's dtype); ``D[H, P]`` fp32 or None; bucket rows past the chunks zeroed.
     ``first_states_zero``: no initial states, and the state scan wrote no carried state for
-    a sequence's first chunk (:func:`state_scan`); its chunk scan starts from zero.
-    ``ssm_out`` (no D, no z): ``y`` in fp32, the backward's ``y_ssm`` residual."""
-    if ssm_out and (D is not None or z is not None):
-        raise ValueError("ssm_out writes y before the D skip and the z gate: pass D=z=None")
-    heads_per_group = s.heads // s.groups
-    heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
-    check_block_sizes(
-        config,
-        heads_per_group=heads_per_group,
-        chunk_size=s.chunk_size,
-        state_dim=s.state_dim,
-        itemsize=x.dtype.itemsize,
-    )
-    kernel = plgpu.kernel(
-        functools.partial(
-            _kernel,
-            has_D=D is not None,
-            has_z=z is not None,
-            first_states_zero=first_states_zero,
-            ssm_out=ssm_out,
-            heads_per_group=heads_per_group,
-            heads_per_block=heads_per_block,
-            num_stages=config.num_stages,
-        ),
-        out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32 if ssm_out else x.dtype),
-        # The last axis varies fastest: the head blocks of a chunk run side by side and
-        # share its C and B in L2.
-        grid=(s.max_chunks + _TAIL_BLOCKS, s.chunk_size // BLOCK_ROWS, s.heads // heads_per_block),
-        grid_names=("chunk", "half", "heads"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        kernel_name=(
-            f"ssd_mosaic_chunk_scan_cs{s.chunk_size}_n{s.state_dim}_hb{heads_per_block}"
-            f"_s{config.num_stages}_zero{int(first_states_zero)}{'_ssm' if ssm_out else ''}"
-        ),
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
-        ),
+    a sequence's first chunk (:func:`state_scan`); its chunk scan starts from zero."""
+    kernel = _chunk_scan_kernel(
+        s,
+        x,
+        has_D=D is not None,
+        has_z=z is not None,
+        config=config,
+        first_states_zero=first_states_zero,
+        row_terms=False,
     )
     operands = [a for a in (D, z) if a is not None]
     return kernel(
         metadata.cu_chunk_seqlens, metadata.seq_idx, x, C, B, dt_chunks, cum, carried, *operands
     )
+
+
+def row_terms(
+    s: triton_config.ScanShapes,
+    metadata,
+    x: jax.Array,
+    B: jax.Array,
+    C: jax.Array,
+    res: triton_config.Residuals,
+    D: jax.Array | None,
+    z: jax.Array | None,
+    dy: jax.Array,
+    *,
+    config: BlockSizes,
+) -> tuple[jax.Array | None, jax.Array]:
+    """The backward's rows, which need the output before the D skip and the z gate,
+    ``y_ssm``, in fp32 (the decay cotangent ``dy · y_ssm − dt' x · g`` cancels): the chunk
+    scan recomputes it from the forward's residuals in registers and, with ``dy[T, H, P]``
+    and z, writes ``(dz[T, H, P] or None, dy_y[H, max_chunks, cs] fp32)``, ``dy_y_j =
+    dy_j silu(z_j) · y_ssm_j`` (past a chunk's end, and in padding chunks, unwritten: the
+    caller selects them away); dz's bucket rows are zeroed. Saving y_ssm instead would cost
+    the forward a second pass and the backward a [T, H, P] fp32 read."""
+    kernel = _chunk_scan_kernel(
+        s,
+        x,
+        has_D=D is not None and z is not None,  # D only enters dz
+        has_z=z is not None,
+        config=config,
+        first_states_zero=False,
+        row_terms=True,
+    )
+    operands = [a for a in (D, z) if a is not None] if z is not None else []
+    out = kernel(
+        metadata.cu_chunk_seqlens,
+        metadata.seq_idx,
+        x,
+        C,
+        B,
+        res.dt_chunks,
+        res.cum,
+        res.carried,
+        *operands,
+        dy,
+    )
+    return tuple(out) if z is not None else (None, out[0])
+
+
+@functools.cache
+def row_terms_with(config: BlockSizes):
+    """:func:`row_terms` with this tiling, one object per value (the backward's
+    ``row_terms_fn``; the Triton scan's compiled-scan cache is keyed by it)."""
+    return functools.partial(row_terms, config=config)
 
 
 @functools.cache
@@ -923,50 +1055,24 @@ def _chunk_scan_with(config: BlockSizes, first_states_zero: bool):
     return functools.partial(chunk_scan, config=config, first_states_zero=first_states_zero)
 
 
-def chunk_scan_with_ssm(
-    s: triton_config.ScanShapes,
-    metadata,
-    x: jax.Array,
-    C: jax.Array,
-    B: jax.Array,
-    dt_chunks: jax.Array,
-    cum: jax.Array,
-    carried: jax.Array,
-    D: jax.Array | None,
-    z: jax.Array | None,
-    *,
-    config: BlockSizes,
-) -> tuple[jax.Array, jax.Array]:
-    """Stage 3 under differentiation: ``(y, y_ssm)``, y as :func:`chunk_scan` writes it
-    and the fp32 residual ``y_ssm`` (before the D skip and the z gate) from a second pass
-    (the backward's decay cotangent ``dy · y_ssm − dt' x · g`` cancels, so ``y_ssm`` must
-    not be rounded to 16 bits; at chunk 256 the shared memory holds no second output
-    tile, so one pass cannot write both). Every chunk reads its carried state."""
-    y_ssm = chunk_scan(
-        s, metadata, x, C, B, dt_chunks, cum, carried, None, None, config=config, ssm_out=True
-    )
-    if D is None and z is None:  # y is y_ssm rounded
-        return y_ssm.astype(x.dtype), y_ssm
-    y = chunk_scan(s, metadata, x, C, B, dt_chunks, cum, carried, D, z, config=config)
-    return y, y_ssm
-
-
 @functools.cache
 def residual_stages(config: BlockSizes, mosaic_states: bool):
     """The forward's stages under differentiation (``triton._forward``'s
-    ``residual_stages``): every chunk's carried state written, in C's dtype."""
+    ``residual_stages``): every chunk's carried state written, in C's dtype, and read by
+    every chunk's scan (the backward reads them all)."""
     return (
         _state_scan_with(False) if mosaic_states else triton.state_scan,
-        functools.partial(chunk_scan_with_ssm, config=config),
+        _chunk_scan_with(config, False),
     )
 
 
 def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated and
     ``mosaic_config.supports`` takes the call. The Mosaic (or, where it cannot serve, the
-    Triton) state scan, then this chunk scan; under differentiation the same stages write
-    the backward's residuals (:func:`chunk_scan_with_ssm`) for the Triton backward
-    kernels (``ssd/triton_vjp.py``)."""
+    Triton) state scan, then this chunk scan. Under differentiation the same stages save
+    the residuals of the Mosaic backward (``mosaic_vjp.chunk_dx``, :func:`row_terms`,
+    ``mosaic_vjp.chunk_dbc`` where N <= 128, around ``ssd/triton_vjp.py``'s state pass);
+    where its kernels do not fit in shared memory the Triton forward and backward run."""
     mosaic_states = state_scan_supports(
         heads_per_group=x.shape[1] // B.shape[1],
         state_dim=B.shape[2],
@@ -980,6 +1086,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         num_stages=config.num_stages,
         itemsize=x.dtype.itemsize,
     )
+    mosaic_backward = backward_supports(**sizes)
     return triton.ssd_scan(
         x,
         dt,
@@ -990,8 +1097,9 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, config: BlockSizes, **options):
         config=triton_config.default_block_sizes(chunk_size, x.shape[2], B.shape[2]),
         state_scan_fn=_state_scan_with(first_states_zero) if mosaic_states else None,
         chunk_scan_fn=_chunk_scan_with(config, first_states_zero),
-        residual_stages=residual_stages(config, mosaic_states),
-        chunk_dx_fn=mosaic_vjp.chunk_dx_with(config) if chunk_dx_supports(**sizes) else None,
+        residual_stages=residual_stages(config, mosaic_states) if mosaic_backward else None,
+        chunk_dx_fn=mosaic_vjp.chunk_dx_with(config) if mosaic_backward else None,
+        row_terms_fn=row_terms_with(config) if mosaic_backward else None,
         chunk_dbc_fn=mosaic_vjp.chunk_dbc_with(config) if chunk_dbc_supports(**sizes) else None,
         **options,
     )

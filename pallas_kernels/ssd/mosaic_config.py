@@ -62,15 +62,17 @@ def smem_bytes(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: in
     return c_tile + max(b_tile, num_stages * per_head) + cb + vectors + staging
 
 
-# Per consumer and output slot, the backward chunk_dx's ∂dt' and q rows (fp32) on their way out.
+# Per consumer and output slot, the backward chunk_dx's ∂dt' and q rows (fp32) on their
+# way out (more than the backward rows' dy · y_ssm vector, one per consumer).
 _DX_VECTOR_BYTES: Final = CONSUMERS * 2 * 2 * ROWS * 4
 
 
-def chunk_dx_supports(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> bool:
-    """Whether the Mosaic backward's ``chunk_dx`` (``mosaic_vjp.py``) fits in shared memory
-    where the forward does: the chunk scan's layout with B and C exchanged (dy in x's
-    place, the state cotangent in the carried state's) and the rows' vectors. It does not
-    at chunk 256 with N 256; the Triton ``chunk_dx`` runs there."""
+def backward_supports(*, chunk_size: int, state_dim: int, num_stages: int, itemsize: int) -> bool:
+    """Whether the Mosaic backward's ``chunk_dx`` (``mosaic_vjp.py``) and rows
+    (``mosaic.row_terms``) fit in shared memory where the forward does: the chunk scan's
+    layout (for ``chunk_dx`` with B and C exchanged, dy in x's place, the state cotangent
+    in the carried state's) and the rows' vectors. They do not at chunk 256 with N 256,
+    where the Triton forward and backward run under differentiation."""
     need = smem_bytes(
         chunk_size=chunk_size, state_dim=state_dim, num_stages=num_stages, itemsize=itemsize
     )

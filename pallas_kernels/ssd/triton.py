@@ -29,7 +29,8 @@ above, unchanged. Under differentiation the state scan keeps the carried states 
 and the chunk scan also writes y before the D skip and the gate; with dt', the cumulative
 decay and C·Bᵀ they are the residuals of the Pallas backward kernels in
 ``ssd/triton_vjp.py`` (chunk-granular: no per-token state is stored or recomputed). The
-Mosaic GPU backend writes the same residuals with its own stages (``residual_stages``).
+Mosaic GPU backend's stages save only dt', the cumulative decay and the carried states
+(``residual_stages``): its backward kernels form C·Bᵀ and y before the gate themselves.
 """
 
 from __future__ import annotations
@@ -595,7 +596,6 @@ def _forward(
     state_scan_fn=None,
     chunk_scan_fn=None,
     residual_stages=None,
-    cb_residual: bool = True,
 ):
     """The three launches: ``(y, states, saved)``. With ``residuals`` (under
     differentiation), ``saved`` is ``(dt_chunks, cum, carried, cb, y_ssm)`` for the
@@ -604,10 +604,9 @@ def _forward(
     given replace stages 1 (``state_scan_fn``, :func:`state_scan`'s signature) and
     3a + 3b (``chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)``): the
     Mosaic GPU backend's (``mosaic.py``). ``residual_stages``: that backend's pair under
-    differentiation, ``(state_scan_fn, fn(...) -> (y, y_ssm))`` with the carried states
-    in C's dtype (what its chunk scan consumed); only C·Bᵀ stays Triton, and is not
-    computed without ``cb_residual`` (a backward whose stage 2 forms its own: ``saved``'s
-    cb is then None)."""
+    differentiation, ``(state_scan_fn, chunk_scan_fn)`` with the carried states in C's
+    dtype (what its chunk scan consumed); its backward forms C·Bᵀ and ``y_ssm`` itself, so
+    ``saved``'s cb and y_ssm are None."""
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
     blocks = config
@@ -615,11 +614,11 @@ def _forward(
     dt_bias = None if dt_bias is None else dt_bias.astype(f32)
     D = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    if residuals and residual_stages is not None:
-        scan_states, chunk_scan_with_ssm = residual_stages
+    mosaic_residuals = residuals and residual_stages is not None
+    if mosaic_residuals:
+        scan_states, chunk_scan_fn = residual_stages
     else:
         scan_states = state_scan if state_scan_fn is None or residuals else state_scan_fn
-        chunk_scan_with_ssm = None
     dt_chunks, cum, carried, states = scan_states(
         s,
         metadata,
@@ -633,18 +632,14 @@ def _forward(
         dt_limit=dt_limit,
         intermediate=return_intermediate_states,
         state_dtype=state_dtype,
-        carried_dtype=jnp.float32 if residuals and chunk_scan_with_ssm is None else C.dtype,
+        carried_dtype=jnp.float32 if residuals and not mosaic_residuals else C.dtype,
         blocks=blocks,
         interpret=interpret,
     )
     cu = metadata.cu_chunk_seqlens
-    if chunk_scan_with_ssm is not None:
-        y, y_ssm = chunk_scan_with_ssm(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
-        cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret) if cb_residual else None
-        return y, states, (dt_chunks, cum, carried, cb, y_ssm)
-    if chunk_scan_fn is not None and not residuals:
+    if chunk_scan_fn is not None and (mosaic_residuals or not residuals):
         y = chunk_scan_fn(s, metadata, x, C, B, dt_chunks, cum, carried, D, z)
-        return y, states, None
+        return y, states, (dt_chunks, cum, carried, None, None) if residuals else None
     cb = chunk_cb(s, cu, C, B, blocks=blocks, interpret=interpret)
     y = chunk_scan(
         s,
@@ -679,14 +674,15 @@ def _differentiable(
     chunk_scan_fn,
     residual_stages,
     chunk_dx_fn,
+    row_terms_fn,
     chunk_dbc_fn,
 ):
     """The scan with its Pallas backward kernels (``ssd/triton_vjp.py``; its stages 2
-    and 3 ``chunk_dx_fn`` and ``chunk_dbc_fn`` where given), for one set of static
-    options. Outside differentiation it is the plain forward (with the stage kernels
-    given, see ``_forward``); under it, the forward also returns the backward's residuals
-    (``_forward(residuals=True)``: the Triton stages, or ``residual_stages``), with the
-    same y and states."""
+    and 3 ``chunk_dx_fn`` with ``row_terms_fn``, and ``chunk_dbc_fn``, where given), for
+    one set of static options. Outside differentiation it is the plain forward (with the
+    stage kernels given, see ``_forward``); under it, the forward also returns the
+    backward's residuals (``_forward(residuals=True)``: the Triton stages, or
+    ``residual_stages``), with the same y and states."""
     options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
@@ -729,7 +725,6 @@ def _differentiable(
             metadata,
             residuals=True,
             residual_stages=residual_stages,
-            cb_residual=chunk_dx_fn is None,  # only the Triton chunk_dx reads C·Bᵀ
             **options,
         )
         inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)
@@ -758,6 +753,7 @@ def _differentiable(
             config=default_backward_block_sizes(config, x.dtype),
             interpret=interpret,
             chunk_dx_fn=chunk_dx_fn,
+            row_terms_fn=row_terms_fn,
             chunk_dbc_fn=chunk_dbc_fn,
         )
         # The chunk layout (integers) is not differentiated.
@@ -790,15 +786,16 @@ def ssd_scan(
     chunk_scan_fn=None,
     residual_stages=None,
     chunk_dx_fn=None,
+    row_terms_fn=None,
     chunk_dbc_fn=None,
 ) -> tuple[jax.Array, jax.Array]:
     """See :func:`pallas_kernels.ssd_scan`; arguments are already validated.
     Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states through the Pallas
     backward kernels of ``ssd/triton_vjp.py``. ``state_scan_fn`` and
     ``chunk_scan_fn``: the forward's stages outside differentiation, ``residual_stages``
-    under it (see ``_forward``); None: the Triton ones. ``chunk_dx_fn``,
-    ``chunk_dbc_fn``: the backward's stages 2 and 3 (``triton_vjp.ssd_scan_backward``);
-    None: the Triton ones."""
+    under it (see ``_forward``); None: the Triton ones. ``chunk_dx_fn`` with
+    ``row_terms_fn``, ``chunk_dbc_fn``: the backward's stages 2 and 3
+    (``triton_vjp.ssd_scan_backward``); None: the Triton ones."""
     del chunk_size  # the api checked it is metadata.chunk_size
     scan = _differentiable(
         bool(dt_softplus),
@@ -811,6 +808,7 @@ def ssd_scan(
         chunk_scan_fn,
         residual_stages,
         chunk_dx_fn,
+        row_terms_fn,
         chunk_dbc_fn,
     )
     return scan(x, dt, A, B, C, D, z, dt_bias, initial_states, metadata)

@@ -34,8 +34,10 @@ Three launches:
 
 The Mosaic GPU backend replaces 2 and 3 with its own kernels (``ssd/mosaic_vjp.py``,
 ``chunk_dx_fn`` and ``chunk_dbc_fn`` of :func:`ssd_scan_backward`); its ``chunk_dx``
-computes only the sums over the chunk, and the state pass then takes the rows' own terms
-on its walk (``row_terms``: dz, ``dy · y_ssm`` and D's partial).
+computes only the sums over the chunk. The rows' own terms (dz, ``dy · y_ssm``) then come
+from its forward chunk scan run again on the residuals (``row_terms_fn``, which forms
+``y_ssm`` in registers, so the forward saves neither it nor C·Bᵀ), and D's partial from
+the state pass's walk.
 
 ``jnp`` glue then sums small per-chunk arrays: ``∂a_k = Σ_{i ≥ k} ∂cum_i`` plus the chunk
 total's terms (a reverse cumsum over ``[H, chunks, bcs]``), ``ddt' += A ∂a``,
@@ -89,16 +91,12 @@ def _state_pass_kernel(
     cum_ref,  # [H, max_chunks, bcs] fp32
     carried_ref,  # [max_chunks, H, bp, bn] fp32: s_in
     dstates_ref,  # [B, H, P, N] (final) or [max_chunks, H, P, N] (intermediate) cotangent
-    x_ref,  # [T, H, P] (with row terms and D) or None
-    y_ssm_ref,  # [T, H, P] fp32 (with row terms) or None
-    D_ref,  # [H, P] fp32 (with row terms) or None
+    x_ref,  # [T, H, P] (with the D partial) or None
     dyg_ref,  # [T, H, P] in x's dtype: dy · silu(z) (with z only)
     ds_out_ref,  # [max_chunks, H, bp, bn] in x's dtype: the state cotangent after each chunk
     dlast_ref,  # [H, max_chunks] fp32: exp(cum_last) <ds_out, s_in>
     dinit_ref,  # [B, H, P, N] fp32
-    dz_ref,  # [T, H, P] (with row terms and z) or None
-    dy_y_ref,  # [H, max_chunks, bcs] fp32: dy_j · y_ssm_j per row (with row terms) or None
-    dD_ref,  # [B, H, bp] fp32: Σ_j dy_j x_j over the sequence (with row terms and D) or None
+    dD_ref,  # [B, H, bp] fp32: Σ_j dy_j x_j over the sequence (with the D partial) or None
     *,
     heads_per_group: int,
     head_dim: int,
@@ -107,10 +105,7 @@ def _state_pass_kernel(
     intermediate: bool,
 ):
     # Heads vary fastest, as in the forward's state scan; the longest walks start first.
-    # Programs past the sequences (row terms only) zero dz's bucket rows.
-    num_seqs = order_ref.shape[0]
-    program = pl.program_id(1)
-    h, b = pl.program_id(0), order_ref[jnp.minimum(program, num_seqs - 1)]
+    h, b = pl.program_id(0), order_ref[pl.program_id(1)]
     g = h // heads_per_group
     bp, bn = carried_ref.shape[2:]
     bcs = cum_ref.shape[2]
@@ -128,10 +123,6 @@ def _state_pass_kernel(
         ).astype(jnp.float32)
 
     first, num_chunks = first_chunk_ref[b], num_seq_chunks_ref[b]
-    row_terms = y_ssm_ref is not None
-    D = None
-    if D_ref is not None:
-        D = plgpu.load(D_ref.at[h, pl.ds(static_index(0), bp)], mask=p_live, other=0.0)
 
     def chunk_step(i, carry):
         ds, dD = carry
@@ -155,18 +146,11 @@ def _state_pass_kernel(
                 z = plgpu.load(z_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
                 dy = dy * silu(z)
                 plgpu.store(dyg_ref.at[at], dy.astype(dyg_ref.dtype), mask=mask)
-            if row_terms:
-                # The rows' own terms: ∂cum's dy · y_ssm, dz, and D's partial (masked
-                # loads give 0 past the chunk; selects keep NaN rows out of the sums).
-                y = plgpu.load(y_ssm_ref.at[at], mask=mask, other=0.0)
-                dy_y_ref[h, c, pl.ds(row0, block_t)] = jnp.sum(jnp.where(mask, dy * y, 0.0), 1)
-                if D is not None:
-                    x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-                    dD = dD + jnp.sum(jnp.where(mask, dy * x, 0.0), axis=0)
-                    y = y + D[None, :] * x
-                if dz_ref is not None:
-                    dz = dy_out * y * silu_grad(z)
-                    plgpu.store(dz_ref.at[at], dz.astype(dz_ref.dtype), mask=mask)
+            if dD_ref is not None:
+                # D's partial (masked loads give 0 past the chunk; the select keeps NaN
+                # rows out of the sum).
+                x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+                dD = dD + jnp.sum(jnp.where(mask, dy * x, 0.0), axis=0)
             C = plgpu.load(
                 C_ref.at[pl.ds(start + row0, block_t), g, pl.ds(static_index(0), bn)],
                 mask=live[:, None] & n_live[None, :],
@@ -179,41 +163,18 @@ def _state_pass_kernel(
         num_steps = pl.cdiv(end - start, block_t)
         return jax.lax.fori_loop(0, num_steps, row_step, (decay_last * ds_out, dD))
 
-    @pl.when(program < num_seqs)
-    def _walk():
-        # Without intermediate states only the final state carries a cotangent in: it is
-        # the one after the last chunk (and, for a sequence without chunks, d initial_states).
-        ds = jnp.zeros((bp, bn), jnp.float32) if intermediate else load_state(dstates_ref, b)
-        dD = jnp.zeros((bp,), jnp.float32)
-        ds, dD = jax.lax.fori_loop(0, num_chunks, chunk_step, (ds, dD))
-        plgpu.store(
-            dinit_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
-            ds,
-            mask=state_mask,
-        )
-        if dD_ref is not None:
-            dD_ref[b, h, :] = dD
-
-    if dz_ref is not None:
-
-        @pl.when(program >= num_seqs)
-        def _tail():  # dz of the bucket rows no sequence owns: [total, T)
-            num_tokens = dz_ref.shape[0]
-
-            def zero(r0):
-                mask = (r0 + rows < num_tokens)[:, None] & p_live[None, :]
-                at = pl.ds(r0, block_t), h, pl.ds(static_index(0), bp)
-                plgpu.store(dz_ref.at[at], jnp.zeros((block_t, bp), dz_ref.dtype), mask=mask)
-
-            max_chunks = cu_ref.shape[0] - 1
-            for_each_tail_block(
-                zero,
-                total=cu_ref[max_chunks],
-                num_rows=num_tokens,
-                block=block_t,
-                program=program - num_seqs,
-                num_programs=TAIL_PROGRAMS,
-            )
+    # Without intermediate states only the final state carries a cotangent in: it is the
+    # one after the last chunk (and, for a sequence without chunks, d initial_states).
+    ds = jnp.zeros((bp, bn), jnp.float32) if intermediate else load_state(dstates_ref, b)
+    dD = jnp.zeros((bp,), jnp.float32)
+    ds, dD = jax.lax.fori_loop(0, num_chunks, chunk_step, (ds, dD))
+    plgpu.store(
+        dinit_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
+        ds,
+        mask=state_mask,
+    )
+    if dD_ref is not None:
+        dD_ref[b, h, :] = dD
 
 
 # ------------------------------------------------------------------- 2. dx, dt', dcum, dz
@@ -519,39 +480,26 @@ def state_pass(
     intermediate,
     blocks,
     interpret,
-    row_terms: bool = False,
     x=None,
     D=None,
 ):
     """Stage 1: ``(dy·silu(z) [T, H, P] or None, ds_out[max_chunks, H, bp, bn],
-    dlast[H, max_chunks], d initial_states[B, H, P, N] fp32)``. With ``row_terms``
-    (a ``chunk_dx`` that computes only the chunk's sums, ``mosaic_vjp.chunk_dx``) also
-    ``(dz[T, H, P] or None, dy_y[H, max_chunks, bcs] fp32, dD partial [B, H, bp] fp32 or
-    None)``: the rows' own terms, from ``x`` and ``D[H, P]`` fp32 (or None)."""
+    dlast[H, max_chunks], d initial_states[B, H, P, N] fp32, dD partial [B, H, bp] fp32
+    or None)``; the D partial ``Σ_j dy_j x_j`` (for a ``chunk_dx`` that computes only the
+    chunk's sums, ``mosaic_vjp.chunk_dx``) where ``x`` and ``D[H, P]`` are given."""
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
     order, first, count = sequence_chunks(s, metadata)
     T = dy.shape[0]
     cdt = dy.dtype
+    with_dD = x is not None and D is not None
     out_shape = (
         None if z is None else jax.ShapeDtypeStruct((T, s.heads, s.head_dim), cdt),
         jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), cdt),
         jax.ShapeDtypeStruct((s.heads, s.max_chunks), jnp.float32),
         jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.head_dim, s.state_dim), jnp.float32),
+        jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.block_p), jnp.float32) if with_dD else None,
     )
-    if row_terms:
-        out_shape += (
-            None if z is None else jax.ShapeDtypeStruct(z.shape, z.dtype),
-            jax.ShapeDtypeStruct((s.heads, s.max_chunks, bcs), jnp.float32),
-            None
-            if D is None
-            else jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.block_p), jnp.float32),
-        )
-    else:
-        out_shape += (None, None, None)
-    row_inputs = (None if D is None else x, res.y_ssm, D) if row_terms else (None, None, None)
-    # With dz, a few programs past the sequences zero its bucket rows.
-    tail = TAIL_PROGRAMS if row_terms and z is not None else 0
     return pl.pallas_call(
         functools.partial(
             _state_pass_kernel,
@@ -561,13 +509,13 @@ def state_pass(
             block_t=block_t,
             intermediate=intermediate,
         ),
-        grid=(s.heads, s.num_seqs + tail),
+        grid=(s.heads, s.num_seqs),
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name=(
             f"ssd_bwd_state_pass_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}"
-            f"{'_rows' if row_terms else ''}"
+            f"{'_d_partial' if with_dD else ''}"
         ),
     )(
         order,
@@ -580,7 +528,7 @@ def state_pass(
         res.cum,
         res.carried,
         dstates,
-        *row_inputs,
+        x if with_dD else None,
     )
 
 
@@ -681,6 +629,7 @@ def ssd_scan_backward(
     config: BackwardBlockSizes,
     interpret: bool = False,
     chunk_dx_fn=None,
+    row_terms_fn=None,
     chunk_dbc_fn=None,
 ) -> tuple[jax.Array | None, ...]:
     """Cotangents ``(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, d initial_states)`` of
@@ -691,9 +640,14 @@ def ssd_scan_backward(
     ``chunk_dx_fn(s, metadata, x, B, C, residuals, ds_out, D[H, P] or None, dyg) -> (dx,
     ddt, q)`` replaces stage 2's sums over the chunk (the Mosaic GPU backend's,
     ``mosaic_vjp.chunk_dx``; its per-row outputs may hold anything past a chunk's end);
-    the rows' own terms (dz, ``dy · y_ssm``, the D partial) then come from stage 1.
+    the rows' own terms then come from ``row_terms_fn(s, metadata, x, B, C, residuals,
+    D[H, P] or None, z, dy) -> (dz or None, dy_y[H, max_chunks, cs])`` (``dy_j silu(z_j)
+    · y_ssm_j``, anything past a chunk's end; ``mosaic.row_terms``, which recomputes
+    y_ssm: the residuals then hold neither it nor C·Bᵀ) and the D partial from stage 1.
     ``chunk_dbc_fn(s, metadata, x, B, C, residuals, ds_out, dyg) -> (dB, dC)`` partials
     ``[splits, T, G, N]`` replaces stage 3 (``mosaic_vjp.chunk_dbc``)."""
+    if (chunk_dx_fn is None) != (row_terms_fn is None):
+        raise ValueError("chunk_dx_fn and row_terms_fn are given together or not at all")
     f32 = jnp.float32
     s = ScanShapes.of(x, B, metadata)
     H, P = s.heads, s.head_dim
@@ -701,7 +655,7 @@ def ssd_scan_backward(
     dy = dy.astype(x.dtype)
     D_hp = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    dyg, ds_out, dlast, dinit, dz, dy_y, dD_part = state_pass(
+    dyg, ds_out, dlast, dinit, dD_part = state_pass(
         s,
         metadata,
         dy,
@@ -712,8 +666,7 @@ def ssd_scan_backward(
         intermediate=return_intermediate_states,
         blocks=config,
         interpret=interpret,
-        row_terms=chunk_dx_fn is not None,
-        x=x,
+        x=None if chunk_dx_fn is None else x,
         D=D_hp,
     )
     dyg = dy if dyg is None else dyg  # no gate: the pre-gate cotangent is dy
@@ -726,6 +679,7 @@ def ssd_scan_backward(
         )
     else:
         dx, ddt_k, q = chunk_dx_fn(s, metadata, x, B, C, residuals, ds_out, D_hp, dyg)
+        dz, dy_y = row_terms_fn(s, metadata, x, B, C, residuals, D_hp, z, dy)
         # Past a chunk's end (and in padding chunks) the per-row outputs are unwritten.
         ddt_k = jnp.where(valid[None], ddt_k, 0.0)
         q = jnp.where(valid[None], q, 0.0)

@@ -718,9 +718,10 @@ def test_mosaic_block_sizes_are_checked():
 
 
 def test_mosaic_backward_kernels_take_the_sizes_that_fit():
-    """The backward's Mosaic chunk_dx and chunk_dbc run where their shared memory (and, for
-    chunk_dbc, a consumer's registers) hold them; the Triton kernels elsewhere."""
-    dx, dbc = ssd_mosaic_config.chunk_dx_supports, ssd_mosaic_config.chunk_dbc_supports
+    """The backward's Mosaic chunk_dx and rows, and chunk_dbc, run where their shared
+    memory (and, for chunk_dbc, a consumer's registers) hold them; the Triton kernels
+    elsewhere."""
+    dx, dbc = ssd_mosaic_config.backward_supports, ssd_mosaic_config.chunk_dbc_supports
     for cs, n in ((128, 64), (128, 128), (256, 64), (256, 128)):
         sizes = dict(chunk_size=cs, state_dim=n, num_stages=2, itemsize=2)
         assert dx(**sizes) and dbc(**sizes), sizes

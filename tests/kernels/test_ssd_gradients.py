@@ -448,12 +448,12 @@ def test_internal_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
             assert_close(a, b, rtol=1e-6, name=name)
 
 
-def test_internal_ssd_backward_row_terms_on_the_state_pass():
-    """With a ``chunk_dx_fn`` (the Mosaic backend's on a GPU) the rows' own terms (dz,
-    ∂cum's ``dy · y_ssm``, D's partial) come from the state pass's walk, dz's bucket rows
-    zeroed there, and the stage's per-row outputs past each chunk's end are selected away:
-    a stand-in giving the Triton chunk_dx's sums, NaN past every chunk's end, reproduces
-    the Triton backward's gradients from NaN-poisoned bucket rows."""
+def test_internal_ssd_backward_with_mosaic_stages():
+    """With a ``chunk_dx_fn`` and a ``row_terms_fn`` (the Mosaic backend's on a GPU) the
+    backward needs neither C·Bᵀ nor ``y_ssm`` among the residuals, takes D's partial from
+    the state pass's walk, and selects the stages' per-row outputs past each chunk's end
+    away: stand-ins giving the Triton chunk_dx's values, NaN past every chunk's end,
+    reproduce the Triton backward's gradients from NaN-poisoned bucket rows."""
     primals, metadata, qsl = _inputs(12)
     total = int(qsl[-1])
     primals = tuple(
@@ -483,41 +483,50 @@ def test_internal_ssd_backward_row_terms_on_the_state_pass():
     cu = metadata.cu_chunk_seqlens
     past_end = jnp.arange(CS)[None, None, :] >= (cu[1:] - cu[:-1])[None, :, None]
 
-    def stand_in(s, md, x, B, C, res, ds_out, D, dyg):
+    def chunk_dx_fn(s, md, x, B, C, stripped, ds_out, D, dyg):
+        assert stripped.cb is None and stripped.y_ssm is None
         dx, _, ddt, _, q, _ = ssd_vjp.chunk_dx(
-            s,
-            md.cu_chunk_seqlens,
-            x,
-            B,
-            res,
-            ds_out,
-            D,
-            None,
-            dyg,
-            dyg,
-            blocks=blocks,
-            interpret=True,
-        )
+            s, md.cu_chunk_seqlens, x, B, res, ds_out, D, None, dyg, dyg,
+            blocks=blocks, interpret=True,
+        )  # fmt: skip
         return dx, jnp.where(past_end, jnp.nan, ddt), jnp.where(past_end, jnp.nan, q)
 
-    def backward(chunk_dx_fn):
+    def row_terms_fn(s, md, x, B, C, stripped, D, z, dy):
+        # From the Triton forward's y_ssm, per token: dy_y = dy silu(z) · y_ssm in the
+        # chunk layout (NaN where no token lands), dz with its bucket rows 0.
+        f32 = jnp.float32
+        y_ssm, zf, dyf = res.y_ssm, z.astype(f32), dy.astype(f32)
+        dy_y_rows = jnp.sum(dyf * jax.nn.silu(zf) * y_ssm, axis=2)[:total]  # [total, H]
+        t = np.arange(total)
+        chunk = np.searchsorted(np.asarray(cu), t, side="right") - 1
+        dy_y = jnp.full((H, s.max_chunks, CS), jnp.nan, f32)
+        dy_y = dy_y.at[:, chunk, t - np.asarray(cu)[chunk]].set(dy_y_rows.T)
+        sig = jax.nn.sigmoid(zf)
+        dz = dyf * (y_ssm + D[None] * x.astype(f32)) * sig * (1 + zf * (1 - sig))
+        dz = jnp.where(jnp.arange(x.shape[0])[:, None, None] < total, dz, 0.0)
+        return dz.astype(z.dtype), dy_y
+
+    def backward(residuals, **stages):
         return ssd_vjp.ssd_scan_backward(
             *primals,
-            res,
+            residuals,
             dy,
             dstates,
             config=blocks,
             interpret=True,
-            chunk_dx_fn=chunk_dx_fn,
+            **stages,
             **options,
         )
 
-    want = backward(None)
-    got = backward(stand_in)
+    want = backward(res)
+    got = backward(
+        res._replace(cb=None, y_ssm=None), chunk_dx_fn=chunk_dx_fn, row_terms_fn=row_terms_fn
+    )
     for name, g, w in zip(NAMES, got, want, strict=True):
         assert_close(as_f32(g), as_f32(w), rtol=1e-6, name=name)
-    np.testing.assert_array_equal(as_f32(got[6])[total:], 0.0)  # dz of the bucket rows
-    assert D.shape == (H, P) and z is not None  # both row terms ran
+    assert D.shape == (H, P) and z is not None  # D's partial and dz ran
+    with pytest.raises(ValueError, match="row_terms_fn"):
+        backward(res, chunk_dx_fn=chunk_dx_fn)
 
 
 def test_ssd_triton_backward_runs_its_own_kernels():
@@ -594,11 +603,12 @@ def test_internal_ssd_backward_kernels_lower_for_cuda():
 
 def test_internal_mosaic_gradients_lower_for_cuda():
     """Under differentiation the Mosaic backend's forward stays Mosaic and writes the
-    backward's residuals: the state scan storing every chunk's carried state, the chunk
-    scan, and its fp32 ``y_ssm`` pass (the only pass without D and z); no Triton forward
-    stage, not even C·Bᵀ, which the backward's Mosaic chunk_dx forms itself. G 8 with one
-    head per group takes the Triton state scan. The backward's chunk_dx and chunk_dbc (a
-    dC and a dB launch) are Mosaic, with the rows' own terms on the Triton state pass."""
+    backward's residuals: the state scan storing every chunk's carried state, then one
+    chunk scan; no Triton forward stage, not even C·Bᵀ, which the backward's Mosaic
+    chunk_dx forms itself, and no ``y_ssm`` pass: the backward's rows recompute it. G 8
+    with one head per group takes the Triton state scan. The backward's chunk_dx, rows and
+    chunk_dbc (a dC and a dB launch) are Mosaic; D's partial comes from the Triton state
+    pass."""
     for T, num_seqs, heads, groups, cs, gated, with_D, mosaic_states in (
         (1024, 3, 8, 1, 256, True, True, True),
         (512, 2, 8, 8, 128, False, False, False),
@@ -644,23 +654,27 @@ def test_internal_mosaic_gradients_lower_for_cuda():
             spec((num_seqs, heads, 64, 128), f32),
         )
         kernels = set(re.findall(r"ssd_[a-z0-9_]+", text))
+        # (A kernel's name also appears with a "_mosaic_gpu" or a numbered suffix.)
         chunk_scans = {
-            k for k in kernels if re.fullmatch(r"ssd_mosaic_chunk_scan_\w+_zero0(_ssm)?", k)
+            re.sub(r"_(mosaic_gpu|\d+)$", "", k)
+            for k in kernels
+            if k.startswith("ssd_mosaic_chunk_scan_")
         }
-        expected = {"_ssm"} | ({""} if with_D or gated else set())
-        assert {k[k.index("zero0") + 5 :] for k in chunk_scans} == expected, kernels
+        assert len(chunk_scans) == 1 and chunk_scans.pop().endswith("_zero0"), kernels
         state_scan = "ssd_mosaic_state_scan_cs" if mosaic_states else "ssd_state_scan_cs"
         assert any(k.startswith(state_scan) for k in kernels), kernels
         assert not any(k.startswith("ssd_chunk_scan_cs") for k in kernels), kernels
         assert not any("skip1" in k for k in kernels), kernels
-        # The backward: the Mosaic chunk_dx, the rows' own terms on the state pass's walk.
+        # The backward: the Mosaic chunk_dx and rows, D's partial on the state pass's walk.
         for name in (
             "ssd_mosaic_bwd_chunk_dx",
+            "ssd_mosaic_bwd_rows",
             "ssd_mosaic_bwd_chunk_dc",
             "ssd_mosaic_bwd_chunk_db",
         ):
             assert any(k.startswith(name) for k in kernels), (name, kernels)
-        assert any(re.fullmatch(r"ssd_bwd_state_pass_\w+_rows", k) for k in kernels), kernels
+        state_passes = {k for k in kernels if k.startswith("ssd_bwd_state_pass")}
+        assert any("_d_partial" in k for k in state_passes) == with_D, kernels
         assert not any(k.startswith(("ssd_bwd_chunk_dx", "ssd_bwd_chunk_dbc")) for k in kernels)
         # Its chunk_dx forms B·Cᵀ itself: the forward computes no C·Bᵀ residual.
         assert not any(k.startswith("ssd_chunk_cb") for k in kernels), kernels
