@@ -359,25 +359,13 @@ def ssd_stage_times(
     stage = dict(blocks=backward_blocks, interpret=False)
     _, ds_out, *_ = timed(
         "bwd_state_pass",
-        lambda dy, C, res, dstates, x, D: ssd_triton_vjp.state_pass(
-            s,
-            md,
-            dy,
-            None,
-            C,
-            res,
-            dstates,
-            intermediate=False,
-            x=x if mosaic_backward else None,
-            D=D,
-            **stage,
+        lambda dy, C, res, dstates: ssd_triton_vjp.state_pass(
+            s, md, dy, None, C, res, dstates, intermediate=False, **stage
         ),
         dy,
         C,
         residuals,
         dstates,
-        x,
-        D_hp,
     )
     mosaic_dbc = backend == "mosaic" and ssd_mosaic_config.chunk_dbc_supports(
         chunk_size=s.chunk_size,

@@ -112,10 +112,11 @@ def _kernel(
     cu_ref, seq_ref, x_ref, C_ref, B_ref, dt_ref, cum_ref, carried_ref, *rest = refs
     D_ref = rest.pop(0) if has_D else None
     z_ref = rest.pop(0) if has_z else None
-    if row_terms:  # the backward's rows (:func:`row_terms`): dy in, dz and dy · y_ssm out
+    if row_terms:  # the backward's rows (:func:`row_terms`): dy in; dz, dy · y_ssm, dD out
         dy_ref = rest.pop(0)
         dz_ref = rest.pop(0) if has_z else None
-        (dy_y_ref,) = rest
+        dy_y_ref = rest.pop(0)
+        dD_ref = rest.pop(0) if has_D else None
         y_ref = dz_ref  # the [T, H, P] output, whose bucket rows the tail blocks zero
     else:
         (y_ref,) = rest
@@ -268,11 +269,13 @@ def _kernel(
                     store_rows(tile, y_ref, row0=row0, first=0, live=live, head=h, wait=False)
 
             def store_row_terms(acc, x_i, row0, slot, h):
-                """The backward's rows from ``acc`` (y_ssm, fp32): ``dy_y = dyg · y_ssm``
-                per row (``dyg = dy · silu(z)``), and ``dz = dy · (y_ssm + D x) ·
-                silu'(z)``; dy sits in output tile 1, z in tile 0, which dz leaves by."""
+                """The backward's rows from ``acc`` (y_ssm, fp32), with ``dyg = dy ·
+                silu(z)``: ``dy_y = dyg · y_ssm`` per row, D's partial ``Σ_rows dyg ∘ x``
+                and ``dz = dy · (y_ssm + D x) · silu'(z)``. dy sits in output tile 1, z
+                in tile 0, which dz leaves by."""
+                dy_tile = out_tiles.at[k, 1]
                 plgpu.barrier_wait(dy_full.at[k])
-                dy = plgpu.load(out_tiles.at[k, 1], layout=wgmma_layout).astype(f32)
+                dy = plgpu.load(dy_tile, layout=wgmma_layout).astype(f32)
                 dyg = dy
                 if has_z:
                     plgpu.barrier_wait(z_full.at[k])
@@ -280,23 +283,44 @@ def _kernel(
                     dyg = dy * silu(gate)
                 # Rows past the chunk hold other rows' dy (NaN in tests): selected away.
                 keep = iota(0) < live
-                vec_smem.at[k][...] = jnp.sum(jnp.where(keep, dyg * acc, 0.0), axis=1)
+                dyg = jnp.where(keep, dyg, 0.0)
+                vectors = vec_smem.at[k]
+                vectors.at[0][...] = jnp.sum(dyg * acc, axis=1)
                 rows = pl.ds(b * ROWS, ROWS)
+                if has_D:
+                    # Σ_rows dyg ∘ x is the diagonal of xᵀ dyg (a sum over rows, which
+                    # would cross the warps in registers): one wgmma from shared memory,
+                    # dyg (16-bit, as the other kernels read it) in dy's place.
+                    dy_tile[...] = dyg.astype(dtype)
+                    plgpu.commit_smem()
 
-                def vector_out():
+                    def d_partial(acc_ref):
+                        plgpu.wgmma(acc_ref, x_tiles.at[slot, rows].T, dy_tile)
+                        return acc_ref[...]
+
+                    xt_dyg = pl.run_scoped(d_partial, plgpu.ACC(block_shape, f32))
+                    diagonal = iota(0) == iota(1)
+                    vectors.at[1][...] = jnp.sum(jnp.where(diagonal, xt_dyg, 0.0), axis=1)
+
+                def vectors_out():  # in one bulk group with dz's store
                     plgpu.copy_smem_to_gmem(
-                        vec_smem.at[k], dy_y_ref.at[h, c, rows], commit_group=not has_z
+                        vectors.at[0], dy_y_ref.at[h, c, rows], commit_group=False
                     )
+                    if has_D:
+                        plgpu.copy_smem_to_gmem(
+                            vectors.at[1], dD_ref.at[b, c, h], commit_group=False
+                        )
 
                 if not has_z:
                     plgpu.commit_smem()
-                    vector_out()
+                    vectors_out()
+                    plgpu.commit_smem_to_gmem_group()
                     return
                 if has_D:
                     d = plgpu.load(d_smem.at[slot], layout=column_vector)
                     acc = acc + x_i * lax.broadcast_in_dim(d, block_shape, [1])
                 dz = dy * acc * silu_grad(gate)
-                store_output(dz.astype(dtype), row0, 0, h, before=vector_out)
+                store_output(dz.astype(dtype), row0, 0, h, before=vectors_out)
 
             def head(i, carry):
                 slot = lax.rem(i, num_stages)
@@ -490,7 +514,8 @@ def _kernel(
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=CONSUMERS) if has_z else None,
-        plgpu.SMEM((CONSUMERS, ROWS), f32) if row_terms else None,  # dy_y on its way out
+        # dy_y and D's partial on their way out
+        plgpu.SMEM((CONSUMERS, 2, ROWS), f32) if row_terms else None,
         plgpu.Barrier(num_barriers=CONSUMERS) if row_terms else None,
         collective_axes="wg",
     )
@@ -921,8 +946,14 @@ def _chunk_scan_kernel(
     )
     tokens = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if row_terms:
-        per_row = jax.ShapeDtypeStruct((s.heads, s.max_chunks, s.chunk_size), jnp.float32)
-        out_type = (tokens, per_row) if has_z else (per_row,)
+        f32 = jnp.float32
+        per_row = jax.ShapeDtypeStruct((s.heads, s.max_chunks, s.chunk_size), f32)
+        per_block = (s.chunk_size // ROWS, s.max_chunks, s.heads, s.head_dim)
+        out_type = (
+            *([tokens] if has_z else []),
+            per_row,
+            *([jax.ShapeDtypeStruct(per_block, f32)] if has_D else []),
+        )
     else:
         out_type = tokens
     return plgpu.kernel(
@@ -1001,37 +1032,43 @@ def row_terms(
     dy: jax.Array,
     *,
     config: BlockSizes,
-) -> tuple[jax.Array | None, jax.Array]:
+) -> tuple[jax.Array | None, jax.Array, jax.Array | None]:
     """The backward's rows, which need the output before the D skip and the z gate,
     ``y_ssm``, in fp32 (the decay cotangent ``dy · y_ssm − dt' x · g`` cancels): the chunk
     scan recomputes it from the forward's residuals in registers and, with ``dy[T, H, P]``
-    and z, writes ``(dz[T, H, P] or None, dy_y[H, max_chunks, cs] fp32)``, ``dy_y_j =
-    dy_j silu(z_j) · y_ssm_j`` (past a chunk's end, and in padding chunks, unwritten: the
-    caller selects them away); dz's bucket rows are zeroed. Saving y_ssm instead would cost
-    the forward a second pass and the backward a [T, H, P] fp32 read."""
+    and z, writes ``(dz[T, H, P] or None, dy_y[H, max_chunks, cs] fp32, dD partial
+    [cs / 64, max_chunks, H, P] fp32 or None)``: ``dy_y_j = dy_j silu(z_j) · y_ssm_j``,
+    per 64-row block ``Σ_j dy_j silu(z_j) ∘ x_j``. Past a chunk's end, in row blocks
+    without rows and in padding chunks they are unwritten (the caller selects them away);
+    dz's bucket rows are zeroed. Saving y_ssm instead would cost the forward a second pass
+    and the backward a [T, H, P] fp32 read."""
     kernel = _chunk_scan_kernel(
         s,
         x,
-        has_D=D is not None and z is not None,  # D only enters dz
+        has_D=D is not None,
         has_z=z is not None,
         config=config,
         first_states_zero=False,
         row_terms=True,
     )
-    operands = [a for a in (D, z) if a is not None] if z is not None else []
-    out = kernel(
-        metadata.cu_chunk_seqlens,
-        metadata.seq_idx,
-        x,
-        C,
-        B,
-        res.dt_chunks,
-        res.cum,
-        res.carried,
-        *operands,
-        dy,
+    operands = [a for a in (D, z) if a is not None]
+    out = list(
+        kernel(
+            metadata.cu_chunk_seqlens,
+            metadata.seq_idx,
+            x,
+            C,
+            B,
+            res.dt_chunks,
+            res.cum,
+            res.carried,
+            *operands,
+            dy,
+        )
     )
-    return tuple(out) if z is not None else (None, out[0])
+    dz = out.pop(0) if z is not None else None
+    dy_y = out.pop(0)
+    return dz, dy_y, out.pop(0) if D is not None else None
 
 
 @functools.cache

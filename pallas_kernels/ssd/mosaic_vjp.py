@@ -11,9 +11,9 @@ for the chunk's rows ``j``,
 cotangent after the chunk ``ds_out`` for the carried state and the causal block mirrored),
 giving ``dx_j = dt'_j g_j + D dy_j``, ``∂dt'_j = x_j · g_j`` and the state's part of the
 chunk total's cotangent, ``q_j = dt'_j x_j · exp(cum_last − cum_j) B_j ds_outᵀ``. The
-rows' own terms (dz, ``dy · y_ssm``, the D partial) need no sum over the chunk: the
-Triton ``state_pass`` computes them on its walk (``row_terms``), so this kernel reads
-neither z nor the fp32 ``y_ssm``.
+rows' own terms (dz, ``dy · y_ssm``, the D partial) need no sum over the chunk but
+``y_ssm``: the forward's chunk scan, run again, computes them (``mosaic.row_terms``), so
+this kernel reads neither z nor ``y_ssm``.
 
 The thread block is the chunk scan's: one per (chunk, 128 of its rows, block of heads of
 one B/C group), a producer warpgroup TMA-copying into a ring of shared-memory slots, two

@@ -34,10 +34,9 @@ Three launches:
 
 The Mosaic GPU backend replaces 2 and 3 with its own kernels (``ssd/mosaic_vjp.py``,
 ``chunk_dx_fn`` and ``chunk_dbc_fn`` of :func:`ssd_scan_backward`); its ``chunk_dx``
-computes only the sums over the chunk. The rows' own terms (dz, ``dy · y_ssm``) then come
-from its forward chunk scan run again on the residuals (``row_terms_fn``, which forms
-``y_ssm`` in registers, so the forward saves neither it nor C·Bᵀ), and D's partial from
-the state pass's walk.
+computes only the sums over the chunk. The rows' own terms (dz, ``dy · y_ssm``, D's partial)
+then come from its forward chunk scan run again on the residuals (``row_terms_fn``, which
+forms ``y_ssm`` in registers, so the forward saves neither it nor C·Bᵀ).
 
 ``jnp`` glue then sums small per-chunk arrays: ``∂a_k = Σ_{i ≥ k} ∂cum_i`` plus the chunk
 total's terms (a reverse cumsum over ``[H, chunks, bcs]``), ``ddt' += A ∂a``,
@@ -91,12 +90,10 @@ def _state_pass_kernel(
     cum_ref,  # [H, max_chunks, bcs] fp32
     carried_ref,  # [max_chunks, H, bp, bn] fp32: s_in
     dstates_ref,  # [B, H, P, N] (final) or [max_chunks, H, P, N] (intermediate) cotangent
-    x_ref,  # [T, H, P] (with the D partial) or None
     dyg_ref,  # [T, H, P] in x's dtype: dy · silu(z) (with z only)
     ds_out_ref,  # [max_chunks, H, bp, bn] in x's dtype: the state cotangent after each chunk
     dlast_ref,  # [H, max_chunks] fp32: exp(cum_last) <ds_out, s_in>
     dinit_ref,  # [B, H, P, N] fp32
-    dD_ref,  # [B, H, bp] fp32: Σ_j dy_j x_j over the sequence (with the D partial) or None
     *,
     heads_per_group: int,
     head_dim: int,
@@ -124,8 +121,7 @@ def _state_pass_kernel(
 
     first, num_chunks = first_chunk_ref[b], num_seq_chunks_ref[b]
 
-    def chunk_step(i, carry):
-        ds, dD = carry
+    def chunk_step(i, ds):
         c = first + num_chunks - 1 - i  # backwards along the sequence
         ds_out = ds + load_state(dstates_ref, c) if intermediate else ds
         ds_out_ref[c, h, :, :] = ds_out.astype(cdt)
@@ -134,8 +130,7 @@ def _state_pass_kernel(
         dlast_ref[h, c] = decay_last * jnp.sum(ds_out * s_in)
         start, end = cu_ref[c], cu_ref[c + 1]
 
-        def row_step(k, carry):
-            ds, dD = carry
+        def row_step(k, ds):
             row0 = pl.multiple_of(k * block_t, block_t)
             live = rows < end - start - row0
             mask = live[:, None] & p_live[None, :]
@@ -146,11 +141,6 @@ def _state_pass_kernel(
                 z = plgpu.load(z_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
                 dy = dy * silu(z)
                 plgpu.store(dyg_ref.at[at], dy.astype(dyg_ref.dtype), mask=mask)
-            if dD_ref is not None:
-                # D's partial (masked loads give 0 past the chunk; the select keeps NaN
-                # rows out of the sum).
-                x = plgpu.load(x_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
-                dD = dD + jnp.sum(jnp.where(mask, dy * x, 0.0), axis=0)
             C = plgpu.load(
                 C_ref.at[pl.ds(start + row0, block_t), g, pl.ds(static_index(0), bn)],
                 mask=live[:, None] & n_live[None, :],
@@ -158,23 +148,20 @@ def _state_pass_kernel(
             )
             weight = decay_factor(cum_ref[h, c, pl.ds(row0, block_t)])
             dy_w = jnp.where(live[:, None], dy * weight[:, None], 0.0)
-            return ds + dot(dy_w.astype(cdt), C.astype(cdt), trans_a=True), dD
+            return ds + dot(dy_w.astype(cdt), C.astype(cdt), trans_a=True)
 
         num_steps = pl.cdiv(end - start, block_t)
-        return jax.lax.fori_loop(0, num_steps, row_step, (decay_last * ds_out, dD))
+        return jax.lax.fori_loop(0, num_steps, row_step, decay_last * ds_out)
 
     # Without intermediate states only the final state carries a cotangent in: it is the
     # one after the last chunk (and, for a sequence without chunks, d initial_states).
     ds = jnp.zeros((bp, bn), jnp.float32) if intermediate else load_state(dstates_ref, b)
-    dD = jnp.zeros((bp,), jnp.float32)
-    ds, dD = jax.lax.fori_loop(0, num_chunks, chunk_step, (ds, dD))
+    ds = jax.lax.fori_loop(0, num_chunks, chunk_step, ds)
     plgpu.store(
         dinit_ref.at[b, h, pl.ds(static_index(0), bp), pl.ds(static_index(0), bn)],
         ds,
         mask=state_mask,
     )
-    if dD_ref is not None:
-        dD_ref[b, h, :] = dD
 
 
 # ------------------------------------------------------------------- 2. dx, dt', dcum, dz
@@ -480,25 +467,19 @@ def state_pass(
     intermediate,
     blocks,
     interpret,
-    x=None,
-    D=None,
 ):
     """Stage 1: ``(dy·silu(z) [T, H, P] or None, ds_out[max_chunks, H, bp, bn],
-    dlast[H, max_chunks], d initial_states[B, H, P, N] fp32, dD partial [B, H, bp] fp32
-    or None)``; the D partial ``Σ_j dy_j x_j`` (for a ``chunk_dx`` that computes only the
-    chunk's sums, ``mosaic_vjp.chunk_dx``) where ``x`` and ``D[H, P]`` are given."""
+    dlast[H, max_chunks], d initial_states[B, H, P, N] fp32)``."""
     bcs = s.block_chunk
     block_t = min(blocks.block_t, bcs)
     order, first, count = sequence_chunks(s, metadata)
     T = dy.shape[0]
     cdt = dy.dtype
-    with_dD = x is not None and D is not None
     out_shape = (
         None if z is None else jax.ShapeDtypeStruct((T, s.heads, s.head_dim), cdt),
         jax.ShapeDtypeStruct((s.max_chunks, s.heads, s.block_p, s.block_n), cdt),
         jax.ShapeDtypeStruct((s.heads, s.max_chunks), jnp.float32),
         jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.head_dim, s.state_dim), jnp.float32),
-        jax.ShapeDtypeStruct((s.num_seqs, s.heads, s.block_p), jnp.float32) if with_dD else None,
     )
     return pl.pallas_call(
         functools.partial(
@@ -513,10 +494,7 @@ def state_pass(
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-        name=(
-            f"ssd_bwd_state_pass_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}"
-            f"{'_d_partial' if with_dD else ''}"
-        ),
+        name=f"ssd_bwd_state_pass_cs{s.chunk_size}_bt{block_t}_intermediate{int(intermediate)}",
     )(
         order,
         first,
@@ -528,7 +506,6 @@ def state_pass(
         res.cum,
         res.carried,
         dstates,
-        x if with_dD else None,
     )
 
 
@@ -641,9 +618,10 @@ def ssd_scan_backward(
     ddt, q)`` replaces stage 2's sums over the chunk (the Mosaic GPU backend's,
     ``mosaic_vjp.chunk_dx``; its per-row outputs may hold anything past a chunk's end);
     the rows' own terms then come from ``row_terms_fn(s, metadata, x, B, C, residuals,
-    D[H, P] or None, z, dy) -> (dz or None, dy_y[H, max_chunks, cs])`` (``dy_j silu(z_j)
-    · y_ssm_j``, anything past a chunk's end; ``mosaic.row_terms``, which recomputes
-    y_ssm: the residuals then hold neither it nor C·Bᵀ) and the D partial from stage 1.
+    D[H, P] or None, z, dy) -> (dz or None, dy_y[H, max_chunks, cs], dD partial
+    [cs / rows, max_chunks, H, P] or None)`` (``mosaic.row_terms``, which recomputes
+    y_ssm: the residuals then hold neither it nor C·Bᵀ; anything past a chunk's end and
+    in row blocks without rows).
     ``chunk_dbc_fn(s, metadata, x, B, C, residuals, ds_out, dyg) -> (dB, dC)`` partials
     ``[splits, T, G, N]`` replaces stage 3 (``mosaic_vjp.chunk_dbc``)."""
     if (chunk_dx_fn is None) != (row_terms_fn is None):
@@ -655,7 +633,7 @@ def ssd_scan_backward(
     dy = dy.astype(x.dtype)
     D_hp = None if D is None else jnp.broadcast_to(D.astype(f32).reshape(H, -1), (H, P))
 
-    dyg, ds_out, dlast, dinit, dD_part = state_pass(
+    dyg, ds_out, dlast, dinit = state_pass(
         s,
         metadata,
         dy,
@@ -666,8 +644,6 @@ def ssd_scan_backward(
         intermediate=return_intermediate_states,
         blocks=config,
         interpret=interpret,
-        x=None if chunk_dx_fn is None else x,
-        D=D_hp,
     )
     dyg = dy if dyg is None else dyg  # no gate: the pre-gate cotangent is dy
     bcs = s.block_chunk
@@ -679,7 +655,11 @@ def ssd_scan_backward(
         )
     else:
         dx, ddt_k, q = chunk_dx_fn(s, metadata, x, B, C, residuals, ds_out, D_hp, dyg)
-        dz, dy_y = row_terms_fn(s, metadata, x, B, C, residuals, D_hp, z, dy)
+        dz, dy_y, dD_part = row_terms_fn(s, metadata, x, B, C, residuals, D_hp, z, dy)
+        if dD_part is not None:  # row blocks; those without rows are unwritten
+            block_rows = bcs // dD_part.shape[0]
+            has_rows = jnp.arange(0, bcs, block_rows)[:, None] < lengths[None, :]
+            dD_part = jnp.where(has_rows[:, :, None, None], dD_part, 0.0)
         # Past a chunk's end (and in padding chunks) the per-row outputs are unwritten.
         ddt_k = jnp.where(valid[None], ddt_k, 0.0)
         q = jnp.where(valid[None], q, 0.0)
@@ -727,7 +707,7 @@ def ssd_scan_backward(
 
     dD = None
     if D is not None:
-        # Partials [bcs / block_m, max_chunks, H, bp] (chunk_dx) or [B, H, bp] (state_pass).
+        # Partials [row blocks, max_chunks, H, bp or P] (chunk_dx or row_terms_fn).
         dD_hp = jnp.sum(dD_part, axis=tuple(range(dD_part.ndim - 2)))[:, :P]
         dD = (dD_hp if D.ndim == 2 else jnp.sum(dD_hp, axis=1)).astype(D.dtype)
     return (

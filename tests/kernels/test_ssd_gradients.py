@@ -450,10 +450,11 @@ def test_internal_ssd_backward_head_splits_and_tiles_give_the_same_gradients():
 
 def test_internal_ssd_backward_with_mosaic_stages():
     """With a ``chunk_dx_fn`` and a ``row_terms_fn`` (the Mosaic backend's on a GPU) the
-    backward needs neither C·Bᵀ nor ``y_ssm`` among the residuals, takes D's partial from
-    the state pass's walk, and selects the stages' per-row outputs past each chunk's end
-    away: stand-ins giving the Triton chunk_dx's values, NaN past every chunk's end,
-    reproduce the Triton backward's gradients from NaN-poisoned bucket rows."""
+    backward needs neither C·Bᵀ nor ``y_ssm`` among the residuals and selects the stages'
+    per-row outputs past each chunk's end (and D's partials of chunks without rows) away:
+    stand-ins giving the Triton chunk_dx's values or the rows' terms from the Triton
+    forward's y_ssm, NaN wherever the Mosaic kernels leave them unwritten, reproduce the
+    Triton backward's gradients from NaN-poisoned bucket rows."""
     primals, metadata, qsl = _inputs(12)
     total = int(qsl[-1])
     primals = tuple(
@@ -492,19 +493,24 @@ def test_internal_ssd_backward_with_mosaic_stages():
         return dx, jnp.where(past_end, jnp.nan, ddt), jnp.where(past_end, jnp.nan, q)
 
     def row_terms_fn(s, md, x, B, C, stripped, D, z, dy):
-        # From the Triton forward's y_ssm, per token: dy_y = dy silu(z) · y_ssm in the
-        # chunk layout (NaN where no token lands), dz with its bucket rows 0.
+        # From the Triton forward's y_ssm, per token: dy_y = dyg · y_ssm in the chunk
+        # layout (NaN where no token lands), D's partial Σ dyg ∘ x per chunk (one row
+        # block: NaN in chunks without rows), dz with its bucket rows 0.
         f32 = jnp.float32
-        y_ssm, zf, dyf = res.y_ssm, z.astype(f32), dy.astype(f32)
-        dy_y_rows = jnp.sum(dyf * jax.nn.silu(zf) * y_ssm, axis=2)[:total]  # [total, H]
+        y_ssm, zf, xf = res.y_ssm, z.astype(f32), x.astype(f32)
+        dyg = (dy.astype(f32) * jax.nn.silu(zf))[:total]
         t = np.arange(total)
         chunk = np.searchsorted(np.asarray(cu), t, side="right") - 1
         dy_y = jnp.full((H, s.max_chunks, CS), jnp.nan, f32)
-        dy_y = dy_y.at[:, chunk, t - np.asarray(cu)[chunk]].set(dy_y_rows.T)
+        dy_y = dy_y.at[:, chunk, t - np.asarray(cu)[chunk]].set(
+            jnp.sum(dyg * y_ssm[:total], axis=2).T
+        )
+        dD_part = jnp.full((s.max_chunks, H, P), jnp.nan, f32).at[np.unique(chunk)].set(0.0)
+        dD_part = dD_part.at[chunk].add(dyg * xf[:total])[None]
         sig = jax.nn.sigmoid(zf)
-        dz = dyf * (y_ssm + D[None] * x.astype(f32)) * sig * (1 + zf * (1 - sig))
+        dz = dy.astype(f32) * (y_ssm + D[None] * xf) * sig * (1 + zf * (1 - sig))
         dz = jnp.where(jnp.arange(x.shape[0])[:, None, None] < total, dz, 0.0)
-        return dz.astype(z.dtype), dy_y
+        return dz.astype(z.dtype), dy_y, dD_part
 
     def backward(residuals, **stages):
         return ssd_vjp.ssd_scan_backward(
@@ -607,8 +613,7 @@ def test_internal_mosaic_gradients_lower_for_cuda():
     chunk scan; no Triton forward stage, not even C·Bᵀ, which the backward's Mosaic
     chunk_dx forms itself, and no ``y_ssm`` pass: the backward's rows recompute it. G 8
     with one head per group takes the Triton state scan. The backward's chunk_dx, rows and
-    chunk_dbc (a dC and a dB launch) are Mosaic; D's partial comes from the Triton state
-    pass."""
+    chunk_dbc (a dC and a dB launch) are Mosaic, around the Triton state pass."""
     for T, num_seqs, heads, groups, cs, gated, with_D, mosaic_states in (
         (1024, 3, 8, 1, 256, True, True, True),
         (512, 2, 8, 8, 128, False, False, False),
@@ -665,7 +670,7 @@ def test_internal_mosaic_gradients_lower_for_cuda():
         assert any(k.startswith(state_scan) for k in kernels), kernels
         assert not any(k.startswith("ssd_chunk_scan_cs") for k in kernels), kernels
         assert not any("skip1" in k for k in kernels), kernels
-        # The backward: the Mosaic chunk_dx and rows, D's partial on the state pass's walk.
+        # The backward: the Mosaic chunk_dx, rows and chunk_dbc around the state pass.
         for name in (
             "ssd_mosaic_bwd_chunk_dx",
             "ssd_mosaic_bwd_rows",
@@ -673,8 +678,6 @@ def test_internal_mosaic_gradients_lower_for_cuda():
             "ssd_mosaic_bwd_chunk_db",
         ):
             assert any(k.startswith(name) for k in kernels), (name, kernels)
-        state_passes = {k for k in kernels if k.startswith("ssd_bwd_state_pass")}
-        assert any("_d_partial" in k for k in state_passes) == with_D, kernels
         assert not any(k.startswith(("ssd_bwd_chunk_dx", "ssd_bwd_chunk_dbc")) for k in kernels)
         # Its chunk_dx forms B·Cᵀ itself: the forward computes no C·Bᵀ residual.
         assert not any(k.startswith("ssd_chunk_cb") for k in kernels), kernels
