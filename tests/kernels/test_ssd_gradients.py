@@ -766,6 +766,8 @@ def test_gpu_ssd_gradients_real_size(impl, groups, chunk_size):
     for name, g, p, r in zip(NAMES, got, primals, ref, strict=True):
         assert g.dtype == p.dtype, name
         errors[name] = relative_error(as_f32(g), as_f32(r))
-        assert_close(as_f32(g), as_f32(r), rtol=_bf16_tol(name), name=f"{name} vs xla")
+        # dD sums products of 16-bit inputs in fp32: no bf16 rounding of dy · silu(z).
+        rtol = 3e-5 if name == "dD" else _bf16_tol(name)
+        assert_close(as_f32(g), as_f32(r), rtol=rtol, name=f"{name} vs xla")
     # (-s shows them: the relative error per input, for the notes)
     print(f"{impl} G{groups} chunk {chunk_size}:", {k: f"{v:.2e}" for k, v in errors.items()})
