@@ -935,14 +935,16 @@ def state_scan(
 def _chunk_scan_kernel(
     s: triton_config.ScanShapes,
     x: jax.Array,
+    D: jax.Array | None,
+    z: jax.Array | None,
     *,
-    has_D: bool,
-    has_z: bool,
     config: BlockSizes,
     first_states_zero: bool,
     row_terms: bool,
 ):
-    """The chunk-scan kernel (:func:`_kernel`) for these static facts, as a callable."""
+    """The chunk-scan kernel (:func:`_kernel`) for these operands and static facts, as a
+    callable."""
+    has_D, has_z = D is not None, z is not None
     heads_per_group = s.heads // s.groups
     heads_per_block = config.heads_per_block or default_heads_per_block(heads_per_group)
     check_block_sizes(
@@ -1014,13 +1016,7 @@ def chunk_scan(
     ``first_states_zero``: no initial states, and the state scan wrote no carried state for
     a sequence's first chunk (:func:`state_scan`); its chunk scan starts from zero."""
     kernel = _chunk_scan_kernel(
-        s,
-        x,
-        has_D=D is not None,
-        has_z=z is not None,
-        config=config,
-        first_states_zero=first_states_zero,
-        row_terms=False,
+        s, x, D, z, config=config, first_states_zero=first_states_zero, row_terms=False
     )
     operands = [a for a in (D, z) if a is not None]
     return kernel(
@@ -1050,15 +1046,7 @@ def row_terms(
     without rows and in padding chunks they are unwritten (the caller selects them away);
     dz's bucket rows are zeroed. Saving y_ssm instead would cost the forward a second pass
     and the backward a [T, H, P] fp32 read."""
-    kernel = _chunk_scan_kernel(
-        s,
-        x,
-        has_D=D is not None,
-        has_z=z is not None,
-        config=config,
-        first_states_zero=False,
-        row_terms=True,
-    )
+    kernel = _chunk_scan_kernel(s, x, D, z, config=config, first_states_zero=False, row_terms=True)
     operands = [a for a in (D, z) if a is not None]
     out = list(
         kernel(
