@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import chunk_metadata, max_chunks_for, ssd_scan
 from pallas_kernels.ssd import api as ssd_api
-from pallas_kernels.ssd import mosaic as ssd_mosaic
 from pallas_kernels.ssd import mosaic_config as ssd_mosaic_config
+from pallas_kernels.ssd import mosaic_state_scan as ssd_states
 from pallas_kernels.ssd import triton as ssd_triton
 from pallas_kernels.ssd import triton_config as ssd_config
 from pallas_kernels.testing import assert_close, assert_close_per_row, ssd_oracle
@@ -780,7 +780,7 @@ def test_internal_mosaic_state_scan_steps_cover_each_chunk_once():
     _, first, count = ssd_config.sequence_chunks(shapes, md)
     cu = np.asarray(md.cu_chunk_seqlens)
     for b in range(len(lengths)):
-        num_steps, step = ssd_mosaic.sequence_steps(
+        num_steps, step = ssd_states.sequence_steps(
             md.cu_chunk_seqlens, first[b], count[b], steps_per_chunk=2
         )
         walked = [tuple(int(v) for v in step(jnp.int32(i))) for i in range(int(num_steps))]
@@ -805,9 +805,9 @@ def test_internal_mosaic_state_scan_steps_stay_inside_the_chunk_table():
             return jnp.int32(self.values[int(i)])
 
     cu = CheckedTable([0, 256, 300])  # two chunks, both real
-    num_steps, _ = ssd_mosaic.sequence_steps(cu, jnp.int32(2), jnp.int32(0), steps_per_chunk=2)
+    num_steps, _ = ssd_states.sequence_steps(cu, jnp.int32(2), jnp.int32(0), steps_per_chunk=2)
     assert int(num_steps) == 0
-    num_steps, step = ssd_mosaic.sequence_steps(cu, jnp.int32(0), jnp.int32(2), steps_per_chunk=2)
+    num_steps, step = ssd_states.sequence_steps(cu, jnp.int32(0), jnp.int32(2), steps_per_chunk=2)
     assert [tuple(int(v) for v in step(jnp.int32(i))) for i in range(int(num_steps))] == [
         (0, 0),
         (0, 128),
@@ -827,9 +827,9 @@ def test_internal_mosaic_state_scan_groups_partition_the_sequences(heads):
     md = p.metadata()
     shapes = dataclasses.replace(ssd_config.ScanShapes.of(p.x, p.B, md), heads=heads)
     order, _, count = ssd_config.sequence_chunks(shapes, md)
-    window, group_end = (np.asarray(a) for a in ssd_mosaic.state_scan_groups(shapes, order, count))
+    window, group_end = (np.asarray(a) for a in ssd_states.state_scan_groups(shapes, order, count))
     steps = np.asarray(count)[np.asarray(order)] * 2
-    window_steps = ssd_mosaic._WINDOW_STEPS
+    window_steps = ssd_states._WINDOW_STEPS
     leads = [j for j in range(len(lengths)) if j == 0 or window[j - 1] != window[j]]
     covered = [j for lead in leads for j in range(lead, group_end[lead])]
     assert covered == list(range(len(lengths)))
