@@ -443,7 +443,7 @@ def _kernel(
                     acc = acc * lax.broadcast_in_dim(row_decay, block_shape, [0])
                     acc = column_block(b, acc, diagonal=True)
                     x_i = None
-                    if has_D:
+                    if has_D and (has_z or not row_terms):  # (the rows' dz only)
                         x_i = plgpu.load(x_tile.at[pl.ds(b * ROWS, ROWS)], layout=wgmma_layout)
                         x_i = x_i.astype(f32)
                     if row_terms:
